@@ -1,0 +1,364 @@
+"""The course: its stages, which implementation the stage tests exercise, and learner mode.
+
+One idea: a stage test never imports the module under study directly; it asks `lesson(name)`, which
+returns the reference module (`pagedref...`) or, under `pytest stages --impl PKG`, the learner's module
+at the same relative path (`PKG...`). So the same tests grade the reference and a learner's package.
+
+`STAGES` is the one list of the stages (number, folder, title, lesson modules); the site, the stage
+markers and learner mode all read it. Learner mode, `python -m pagedref.course init DIR`, writes a
+skeleton package generated from the reference *source* (its AST), so the two cannot drift: every public
+class and function keeps its signature and docstring and gets a body that raises
+`NotImplementedError("stage N: implement ...")`; module docstrings, imports, constants, dataclass
+fields and exception classes are kept as they are (they are not the lesson). Modules that are not
+lessons are not copied: the skeleton imports them from `pagedref` itself.
+
+Invariant: for every lesson module, the skeleton defines the same public names, with the same
+signatures, as the reference; `python -m pagedref.course list` shows the stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import enum
+import importlib
+import importlib.util
+import io
+import json
+import os
+import re
+import sys
+import tokenize
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+REFERENCE = "pagedref"
+REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout: stages/ and docs/ live beside pagedref/
+_impl = os.environ.get("PAGEDREF_IMPL", REFERENCE)
+
+
+def set_impl(impl: str) -> None:
+    """Select the implementation: a package name, or a path to a package folder."""
+    global _impl
+    path = Path(impl)
+    if path.exists():
+        path = path.resolve()
+        sys.path.insert(0, str(path.parent))
+        impl = path.name
+    _impl = impl
+
+
+def impl_name() -> str:
+    return _impl
+
+
+def lesson(module: str) -> ModuleType:
+    """`lesson("pagedref.memory.block_table")` → that module of the implementation under test."""
+    if not module.startswith(REFERENCE):
+        raise ValueError(f"lesson() takes a pagedref module name, got {module!r}")
+    return importlib.import_module(_impl + module[len(REFERENCE):])
+
+
+# --- the stages ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stage:
+    number: int
+    folder: str  # stages/<folder>/ holds the lesson (README.md) and its tests (test_*.py)
+    title: str
+    modules: tuple[str, ...]  # the lesson modules: what a learner writes in this stage
+    # Qualified names ("Scheduler.schedule") inside a module an earlier stage already lists that this
+    # stage teaches too; everything else in a shared module belongs to the first stage listing it.
+    claims: tuple[str, ...] = ()
+
+    @property
+    def slug(self) -> str:
+        """"01-contiguous-cache": the docs page is docs/stages/<slug>.md."""
+        return self.folder.replace("_", "-")
+
+    @property
+    def path(self) -> Path:
+        return REPO_ROOT / "stages" / self.folder
+
+    @property
+    def readme(self) -> Path:
+        return self.path / "README.md"
+
+    @property
+    def marker(self) -> str:
+        return f"stage{self.number}"
+
+    def test_files(self) -> list[Path]:
+        return sorted(self.path.glob("test_*.py"))
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage(1, "01_contiguous_cache", "The contiguous KV cache", ("pagedref.memory.contiguous",)),
+    Stage(2, "02_block_allocator", "The block allocator", ("pagedref.memory.block_allocator",)),
+    Stage(3, "03_block_table", "Block tables and the paged KV cache", ("pagedref.memory.block_table",)),
+    Stage(4, "04_sharing", "Sharing: copy-on-write and prefix caching", ("pagedref.memory.sharing",)),
+    Stage(5, "05_paged_attention_kernel", "The paged-attention kernels", ("pagedref.kernels",)),
+    Stage(6, "06_continuous_batching", "Continuous batching and preemption",
+          ("pagedref.engine.block_manager", "pagedref.engine.scheduler")),
+    Stage(7, "07_chunked_prefill", "Chunked prefill", ("pagedref.engine.scheduler",),
+          claims=("Scheduler.schedule",)),
+)
+
+
+def stage(number: int) -> Stage:
+    for s in STAGES:
+        if s.number == number:
+            return s
+    raise ValueError(f"there is no stage {number}: the stages are {[s.number for s in STAGES]}")
+
+
+def lesson_modules() -> list[str]:
+    """Every lesson module once, in stage order."""
+    return list(dict.fromkeys(m for s in STAGES for m in s.modules))
+
+
+def teachers(module: str, qualname: str) -> list[Stage]:
+    """The stages that teach `qualname` of `module`: the first stage listing the module, and every
+    later stage listing it that claims the name (stage 7 extends stage 6's Scheduler.schedule)."""
+    listing = [s for s in STAGES if module in s.modules]
+    if not listing:
+        raise ValueError(f"{module} is not a lesson module of any stage")
+    claimed = [s for s in listing[1:] if any(qualname == c or qualname.startswith(c + ".") for c in s.claims)]
+    return [listing[0], *claimed]
+
+
+def module_path(module: str) -> Path | None:
+    """The reference source file of `module` (a package's __init__.py), or None if it is not there."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except ModuleNotFoundError:
+        return None
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+# --- learner mode: the skeleton -----------------------------------------------------------------
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _kept_whole(obj: object) -> bool:
+    """Classes copied as they are: errors, enums, protocols, typed dicts and named tuples."""
+    if not isinstance(obj, type):
+        return False
+    return (issubclass(obj, (BaseException, enum.Enum)) or getattr(obj, "_is_protocol", False)
+            or typing.is_typeddict(obj) or (issubclass(obj, tuple) and hasattr(obj, "_fields")))
+
+
+def _loaded_names(nodes: list[ast.AST]) -> set[str]:
+    return {n.id for node in nodes for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _signature_refs(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.AST]:
+    """The parts of a stubbed function that still run: decorators, defaults, annotations."""
+    a = fn.args
+    args = [*a.posonlyargs, *a.args, *a.kwonlyargs, *([a.vararg] if a.vararg else []), *([a.kwarg] if a.kwarg else [])]
+    return [*fn.decorator_list, *a.defaults, *(d for d in a.kw_defaults if d),
+            *(x.annotation for x in args if x.annotation), *([fn.returns] if fn.returns else [])]
+
+
+class _Skeleton:
+    """Rewrites one lesson module's source into its skeleton by editing line ranges (comments survive)."""
+
+    def __init__(self, module: str, package: str, source: str, reference: ModuleType):
+        self.module, self.package, self.reference = module, package, reference
+        self.lines = source.splitlines(keepends=True)
+        self.tree = ast.parse(source)
+        self.relpath = package + "/" + "/".join(module.split(".")[1:]) + (
+            "/__init__.py" if Path(reference.__file__).name == "__init__.py" else ".py")
+        self.edits: list[tuple[int, int, str]] = []  # (first line, last line) 1-based inclusive → text
+
+    # ---- helpers
+    def _start(self, node: ast.stmt) -> int:
+        decorators = getattr(node, "decorator_list", [])
+        return min([node.lineno, *(d.lineno for d in decorators)])
+
+    def _drop(self, node: ast.stmt) -> None:
+        self.edits.append((self._start(node), node.end_lineno, ""))
+
+    def _message(self, qualname: str) -> str:
+        stages = teachers(self.module, qualname)
+        return (" + ".join(f"stage {s.number}" for s in stages) + f": implement {qualname} in {self.relpath}"
+                " — see " + " and ".join(f"stages/{s.folder}/README.md" for s in stages))
+
+    def _header_end(self, fn: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[int, int]:
+        """(line, col) just past the ':' that ends the signature (found with the tokenizer)."""
+        text = "".join(self.lines[fn.lineno - 1: fn.end_lineno])
+        depth = 0
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.OP:
+                if tok.string in "([{":
+                    depth += 1
+                elif tok.string in ")]}":
+                    depth -= 1
+                elif tok.string == ":" and depth == 0:
+                    return fn.lineno + tok.end[0] - 1, tok.end[1]
+        raise ValueError(f"{self.module}: cannot find the end of the signature of {fn.name}")
+
+    def _stub(self, fn: ast.FunctionDef | ast.AsyncFunctionDef, qualname: str) -> None:
+        end_line, end_col = self._header_end(fn)
+        header = "".join(self.lines[self._start(fn) - 1: end_line - 1]) + self.lines[end_line - 1][:end_col]
+        first = fn.body[0]
+        indent = " " * (first.col_offset if first.lineno > end_line else fn.col_offset + 4)
+        body = ""
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if first.lineno > end_line:
+                body = "".join(self.lines[first.lineno - 1: first.end_lineno])
+            else:  # a docstring on the def line itself
+                body = indent + ast.get_source_segment("".join(self.lines), first) + "\n"
+        body += f"{indent}raise NotImplementedError({json.dumps(self._message(qualname), ensure_ascii=False)})\n"
+        self.edits.append((self._start(fn), fn.end_lineno, header + "\n" + body))
+
+    def _rewrite_import(self, node: ast.Import | ast.ImportFrom, package_of_module: str) -> None:
+        """Imports of lesson modules point at the learner's package; relative imports become absolute."""
+        lessons = set(lesson_modules())
+        ours = lambda name: self.package + name[len(REFERENCE):]  # noqa: E731
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package_of_module.split(".")[: len(package_of_module.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            if not base.startswith(REFERENCE):
+                return
+            if base in lessons:
+                new = [ast.ImportFrom(ours(base), node.names, 0)]
+            else:
+                mine = [a for a in node.names if f"{base}.{a.name}" in lessons]
+                theirs = [a for a in node.names if a not in mine]
+                new = ([ast.ImportFrom(base, theirs, 0)] if theirs else []) + (
+                    [ast.ImportFrom(ours(base), mine, 0)] if mine else [])
+            if not node.level and len(new) == 1 and new[0].module == node.module:
+                return  # an import of support code: kept as it is written
+        else:
+            if not any(a.name in lessons and a.asname for a in node.names):
+                return
+            new = [ast.Import([ast.alias(ours(a.name), a.asname) if a.name in lessons and a.asname else a
+                               for a in node.names])]
+        text = "".join(" " * node.col_offset + ast.unparse(n) + "\n" for n in new)
+        self.edits.append((node.lineno, node.end_lineno, text))
+
+    # ---- the module, its classes
+    def _body(self, body: list[ast.stmt], prefix: str, namespace: object, top: bool) -> None:
+        defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        kept_code = [n for n in body if not isinstance(n, defs)]
+        needed = _loaded_names(kept_code)
+        for n in body:  # what still runs of the definitions that stay
+            if isinstance(n, ast.ClassDef):
+                needed |= _loaded_names([*n.bases, *n.keywords, *n.decorator_list])
+            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_private(n.name):
+                needed |= _loaded_names(_signature_refs(n))
+        remains = bool(kept_code)  # a class body left empty needs a `pass`
+        for n in body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if _is_private(n.name) and n.name not in needed:
+                    self._drop(n)
+                else:
+                    self._stub(n, prefix + n.name)
+                    remains = True
+            elif isinstance(n, ast.ClassDef):
+                if _is_private(n.name) and n.name not in needed:
+                    self._drop(n)
+                    continue
+                remains = True
+                obj = getattr(namespace, n.name, None)
+                if not _kept_whole(obj):
+                    self._body(n.body, prefix + n.name + ".", obj, top=False)
+            elif top and isinstance(n, ast.If) and ast.unparse(n.test) in ('__name__ == "__main__"', "__name__ == '__main__'"):
+                self._drop(n)
+            else:
+                for node in ast.walk(n):
+                    if isinstance(node, (ast.Import, ast.ImportFrom)):
+                        self._rewrite_import(node, self.reference.__package__ or self.module)
+        if not remains and not top:
+            last = body[-1]
+            self.edits.append((last.end_lineno + 1, last.end_lineno, " " * last.col_offset + "pass\n"))
+
+    def source(self) -> str:
+        self._body(self.tree.body, "", self.reference, top=True)
+        out, line = [], 1
+        for first, last, text in sorted(self.edits, key=lambda e: (e[0], e[1])):
+            out.extend(self.lines[line - 1: first - 1])
+            out.append(text)
+            line = max(line, last + 1)
+        out.extend(self.lines[line - 1:])
+        text = re.sub(r"\n{4,}", "\n\n\n", "".join(out))
+        header = (f"# Skeleton of {self.module}, generated from the reference by `python -m pagedref.course init`.\n"
+                  f"# Write the bodies that raise NotImplementedError; `pytest stages --impl PATH` grades them.\n")
+        return header + text
+
+
+def skeleton_source(module: str, package: str) -> str:
+    """The skeleton of one lesson module, for a learner package named `package`."""
+    path = module_path(module)
+    if path is None:
+        raise ModuleNotFoundError(f"{module} is not in the reference yet")
+    return _Skeleton(module, package, path.read_text(), importlib.import_module(module)).source()
+
+
+def init(dest: str | os.PathLike, force: bool = False) -> list[Path]:
+    """Write the skeleton package at `dest` (its name is dest's basename). Returns the files written."""
+    dest = Path(dest)
+    package = dest.resolve().name
+    if not package.isidentifier() or package == REFERENCE:
+        raise ValueError(f"{dest} cannot be a learner package: its name must be a Python identifier other than "
+                         f"{REFERENCE!r}, e.g. mypagedref")
+    if dest.exists() and any(dest.iterdir()) and not force:
+        raise FileExistsError(f"{dest} is not empty; choose a new folder or pass --force to overwrite")
+    written: list[Path] = []
+
+    def write(path: Path, text: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        written.append(path)
+
+    write(dest / "__init__.py", f'"""{package}: my pagedref, written stage by stage (`pytest stages --impl {dest}`)."""\n')
+    for module in lesson_modules():
+        if module_path(module) is None:
+            print(f"skipped {module}: not in the reference yet", file=sys.stderr)
+            continue
+        parts = module.split(".")[1:]
+        for i in range(1, len(parts)):  # the packages on the way, empty
+            init_py = dest.joinpath(*parts[:i], "__init__.py")
+            if not init_py.exists():
+                write(init_py, "")
+        is_package = module_path(module).name == "__init__.py"
+        target = dest.joinpath(*parts, "__init__.py") if is_package else dest.joinpath(*parts[:-1], parts[-1] + ".py")
+        write(target, skeleton_source(module, package))
+    return written
+
+
+# --- command line -------------------------------------------------------------------------------
+def _list() -> None:
+    print(f"{'stage':<6}{'folder':<36}{'title':<44}lesson modules")
+    for s in STAGES:
+        mark = "" if s.path.is_dir() else "  (not written yet)"
+        print(f"{s.number:<6}{'stages/' + s.folder:<36}{s.title:<44}{', '.join(s.modules)}{mark}")
+    print("\nRun one stage: pytest stages -m stage1    Grade your own: pytest stages -m stage1 --impl DIR")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagedref.course", description="The pagedref course.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="list the stages")
+    p = sub.add_parser("init", help="write a skeleton package to implement, stage by stage")
+    p.add_argument("dir", help="folder of the new package; its name is the package name (e.g. mypagedref)")
+    p.add_argument("--force", action="store_true", help="overwrite a folder that is not empty")
+    args = parser.parse_args(argv)
+    if args.command == "list":
+        _list()
+        return 0
+    try:
+        files = init(args.dir, force=args.force)
+    except (ValueError, FileExistsError) as e:
+        parser.error(str(e))
+    print(f"wrote {len(files)} files to {args.dir}. Next: pytest stages -m stage1 --impl {args.dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

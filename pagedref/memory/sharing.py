@@ -1,0 +1,265 @@
+"""Stage 4 — sharing KV blocks: copy-on-write forks and prefix caching.
+
+One idea: a block that several sequences need is stored once and counted by reference.
+- **Fork + copy-on-write** (vLLM v0, the paper's mechanism): parallel samples and beams of one
+  prompt start as forks that share *all* blocks. Full blocks never change, so they stay shared for
+  good; the first append into a shared, partly filled last block copies it first.
+- **Prefix caching** (vLLM v1): only *full* blocks are shared, found by a chained hash of
+  (parent block's hash, this block's token ids), so equal prefixes of different requests map to the
+  same blocks with no fork needed. A freed block keeps its hash and stays reusable on the free list, in
+  LRU order, until the allocator hands it out again (and only then is it evicted from the cache).
+  v1 moved to this design because it shares across requests and needs no copying: the only mutable
+  block (the partial last one) is never shared.
+
+Invariants: every block's ref count == the number of block-table references to it; a block is free
+exactly when its count is 0; a hash entry always points at a block holding exactly the hashed tokens;
+when every sequence is freed, every block is free (nothing leaks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from pagedref.memory.block_allocator import BlockAllocator, InvalidBlockError, NoFreeBlocksError
+from pagedref.memory.block_table import BlockTable, FreedSequenceError, MaxModelLenError, cdiv
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Chained block hash: equal hashes mean equal *prefixes*, not just equal blocks."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class PrefixCachingAllocator(BlockAllocator):
+    """A block allocator whose full blocks can be found again by hash, even after they are freed."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+        super().__init__(num_blocks, block_size)
+        self.cached: dict[int, int] = {}  # block hash -> physical block
+        self.block_hash: dict[int, int] = {}  # physical block -> its hash (while cached)
+        self.block_tokens: dict[int, tuple[int, ...]] = {}  # physical block -> tokens it holds (while cached)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached)
+
+    def allocate(self) -> int:
+        block_id = super().allocate()
+        self._evict(block_id)  # handed out again: its old contents are about to be overwritten
+        return block_id
+
+    def _evict(self, block_id: int) -> None:
+        h = self.block_hash.pop(block_id, None)
+        if h is not None:
+            del self.cached[h]
+            del self.block_tokens[block_id]
+
+    def register(self, block_id: int, block_hash: int, token_ids: Sequence[int]) -> None:
+        """A block just became full: make it findable. The first block with a hash keeps the entry."""
+        if block_hash not in self.cached and block_id not in self.block_hash:
+            self.cached[block_hash] = block_id
+            self.block_hash[block_id] = block_hash
+            self.block_tokens[block_id] = tuple(token_ids)
+
+    def acquire(self, block_id: int) -> None:
+        """Hold a cached block found by hash: off the free list if nobody held it, else share it."""
+        if self.is_free(block_id):
+            self.take(block_id)
+        else:
+            self.incref(block_id)
+
+
+@dataclass
+class SequenceBlocks:
+    """One sequence's blocks and the tokens whose slots they hold."""
+
+    table: BlockTable
+    token_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hash of each full block, in order
+
+
+class KVCacheManager:
+    """Block tables for many sequences over one pool, with forks (copy-on-write) and prefix caching."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True) -> None:
+        self.allocator = PrefixCachingAllocator(num_blocks, block_size)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
+        self.seqs: dict[int, SequenceBlocks] = {}
+        self.prefix_queries = 0  # prompt blocks looked up
+        self.prefix_hits = 0  # ... and found
+
+    # --- queries --------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def _get(self, seq_id: int) -> SequenceBlocks:
+        if seq_id not in self.seqs:
+            raise FreedSequenceError(f"sequence {seq_id} has no blocks (never allocated, or already freed)")
+        return self.seqs[seq_id]
+
+    def block_ids(self, seq_id: int) -> list[int]:
+        return self._get(seq_id).table.block_ids
+
+    def num_tokens(self, seq_id: int) -> int:
+        return self._get(seq_id).table.num_tokens
+
+    def _lookup(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Cached blocks for the longest run of full prompt blocks, stopping before the last token:
+        that token must still be computed, to get the logits that sample the first new token."""
+        blocks, hashes, parent = [], [], None
+        if not self.enable_prefix_caching:
+            return blocks, hashes
+        bs = self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            parent = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs])
+            block_id = self.allocator.cached.get(parent)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+            hashes.append(parent)
+        return blocks, hashes
+
+    def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many of a new prompt's tokens are already in the cache (a multiple of block_size)."""
+        return len(self._lookup(token_ids)[0]) * self.block_size
+
+    def can_allocate(self, token_ids: Sequence[int], num_new_tokens: int) -> bool:
+        hits, _ = self._lookup(token_ids)
+        need = cdiv(len(hits) * self.block_size + num_new_tokens, self.block_size) - len(hits)
+        free_hits = sum(1 for b in hits if self.allocator.is_free(b))  # taking these uses free blocks too
+        return need + free_hits <= self.allocator.num_free
+
+    def blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
+        """Free blocks that appending num_new_tokens would use, copy-on-write included."""
+        sb = self._get(seq_id)
+        return sb.table.num_new_blocks(num_new_tokens) + int(self._needs_copy(sb) and num_new_tokens > 0)
+
+    def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq_id, num_new_tokens) <= self.allocator.num_free
+
+    # --- operations -----------------------------------------------------------------------------
+    def allocate(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int = 0) -> tuple[int, list[int]]:
+        """Admit a sequence: reuse its cached prefix blocks, then give slots to its next num_new_tokens
+        prompt tokens. All or nothing. Returns (num_cached_tokens, slot mapping of the new tokens)."""
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id} is already allocated")
+        self._check_len(len(token_ids), 0)  # before any block is taken: all or nothing
+        if not self.can_allocate(token_ids, num_new_tokens):
+            raise NoFreeBlocksError(f"not enough free blocks to admit sequence {seq_id}")
+        hits, hashes = self._lookup(token_ids)
+        if self.enable_prefix_caching:
+            self.prefix_queries += (len(token_ids) - 1) // self.block_size
+            self.prefix_hits += len(hits)
+        for block_id in hits:
+            self.allocator.acquire(block_id)
+        num_cached = len(hits) * self.block_size
+        table = BlockTable(self.allocator, self.max_model_len, list(hits), num_cached)
+        self.seqs[seq_id] = SequenceBlocks(table, list(token_ids[:num_cached]), hashes)
+        slots = self.append_slots(seq_id, token_ids[num_cached:num_cached + num_new_tokens])[0]
+        return num_cached, slots
+
+    def _check_len(self, num_tokens: int, num_new_tokens: int) -> None:
+        if self.max_model_len is not None and num_tokens + num_new_tokens > self.max_model_len:
+            raise MaxModelLenError(f"sequence would grow to {num_tokens + num_new_tokens} tokens, "
+                                   f"past max_model_len={self.max_model_len}")
+
+    def _needs_copy(self, sb: SequenceBlocks) -> bool:
+        t = sb.table
+        return t.num_tokens % self.block_size != 0 and self.allocator.ref_count(t.block_ids[-1]) > 1
+
+    def append_slots(self, seq_id: int, token_ids: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Give slots to new tokens of a sequence. Returns (slot mapping, copies), where copies are the
+        (src, dst) block pairs the KV cache must copy *before* this step writes: copy-on-write."""
+        sb = self._get(seq_id)
+        n = len(token_ids)
+        self._check_len(sb.table.num_tokens, n)  # before the copy-on-write below: all or nothing
+        if self.blocks_needed(seq_id, n) > self.allocator.num_free:
+            raise NoFreeBlocksError(f"sequence {seq_id} needs {self.blocks_needed(seq_id, n)} blocks, "
+                                    f"{self.allocator.num_free} free")
+        copies = []
+        if n and self._needs_copy(sb):
+            src = sb.table.block_ids[-1]
+            dst = self.allocator.allocate()
+            self.allocator.free(src)  # one holder fewer; the others keep the original
+            sb.table.block_ids[-1] = dst
+            copies.append((src, dst))
+        slots = sb.table.append_slots(n)
+        sb.token_ids.extend(token_ids)
+        self._register_full_blocks(sb)
+        return slots, copies
+
+    def _register_full_blocks(self, sb: SequenceBlocks) -> None:
+        bs = self.block_size
+        while len(sb.block_hashes) < sb.table.num_tokens // bs:
+            i = len(sb.block_hashes)
+            parent = sb.block_hashes[-1] if sb.block_hashes else None
+            tokens = sb.token_ids[i * bs:(i + 1) * bs]
+            h = hash_block_tokens(parent, tokens)
+            sb.block_hashes.append(h)
+            if self.enable_prefix_caching:
+                self.allocator.register(sb.table.block_ids[i], h, tokens)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent (parallel sampling, beam search)."""
+        if child_id in self.seqs:
+            raise ValueError(f"cannot fork into sequence {child_id}: it already has blocks")
+        try:
+            parent = self._get(parent_id)
+        except FreedSequenceError:
+            raise FreedSequenceError(f"cannot fork sequence {parent_id}: it has no blocks (freed?)") from None
+        for block_id in parent.table.block_ids:
+            self.allocator.incref(block_id)
+        table = BlockTable(self.allocator, self.max_model_len, list(parent.table.block_ids), parent.table.num_tokens)
+        self.seqs[child_id] = SequenceBlocks(table, list(parent.token_ids), list(parent.block_hashes))
+
+    def free(self, seq_id: int) -> None:
+        """Drop the sequence's references; blocks nobody else holds return to the free list (cached
+        full blocks stay findable there until reused)."""
+        sb = self._get(seq_id)
+        sb.table.free()
+        del self.seqs[seq_id]
+
+    # --- accounting -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Blocks total/free/used/shared/cached and the share of used KV memory holding token states."""
+        filled: dict[int, int] = {}
+        for sb in self.seqs.values():
+            t = sb.table
+            for i, block_id in enumerate(t.block_ids):
+                n = min(self.block_size, t.num_tokens - i * self.block_size)
+                filled[block_id] = max(filled.get(block_id, 0), n)
+        used = self.allocator.num_used
+        return {
+            "num_blocks": self.allocator.num_total,
+            "num_free_blocks": self.allocator.num_free,
+            "num_used_blocks": used,
+            "num_shared_blocks": self.allocator.num_shared,
+            "num_cached_blocks": self.allocator.num_cached,
+            "token_state_fraction": sum(filled.values()) / (used * self.block_size) if used else 0.0,
+            "prefix_cache_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
+        }
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any invariant of the module docstring is broken (tests call it)."""
+        refs = [0] * self.allocator.num_total
+        for sb in self.seqs.values():
+            assert len(sb.table.block_ids) == cdiv(sb.table.num_tokens, self.block_size)
+            assert len(sb.token_ids) == sb.table.num_tokens
+            for block_id in sb.table.block_ids:
+                refs[block_id] += 1
+        for block_id, count in enumerate(refs):
+            assert self.allocator.ref_counts[block_id] == count, f"block {block_id}: ref count != references"
+            assert (count == 0) == (block_id in self.allocator.free_list), f"block {block_id}: free list disagrees"
+        assert self.allocator.num_free + self.allocator.num_used == self.allocator.num_total
+        for h, block_id in self.allocator.cached.items():
+            assert self.allocator.block_hash[block_id] == h
+        for sb in self.seqs.values():  # every cached block a sequence holds carries that sequence's tokens
+            for i, block_id in enumerate(sb.table.block_ids[: len(sb.block_hashes)]):
+                tokens = self.allocator.block_tokens.get(block_id)
+                if tokens is not None:
+                    assert tokens == tuple(sb.token_ids[i * self.block_size:(i + 1) * self.block_size]), \
+                        f"cached block {block_id} holds other tokens than sequence's block {i}"
