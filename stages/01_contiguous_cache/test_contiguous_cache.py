@@ -1,0 +1,143 @@
+"""Stage 1 — the naive contiguous KV cache, one lesson step per test, in order.
+
+Run: pytest stages -m stage1 (add --impl PKG to grade your own package).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedref.attention import attention
+from pagedref.course import lesson
+
+contig = lesson("pagedref.memory.contiguous")
+
+NUM_KV_HEADS, HEAD_DIM, NUM_HEADS = 2, 8, 4
+
+
+def make_kv(rng: np.random.Generator, n: int, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """K and V of n new tokens: [n, num_kv_heads, head_dim] each."""
+    shape = (n, NUM_KV_HEADS, HEAD_DIM)
+    return rng.standard_normal(shape).astype(dtype), rng.standard_normal(shape).astype(dtype)
+
+
+def test_step1_admit_reserves_max_model_len_contiguous_slots_first_fit():
+    cache = contig.ContiguousKVCache(num_slots=100, max_model_len=30)
+    assert cache.admit(0) == 0, "stage 1: the first reservation must start at slot 0 (first fit over an empty arena)"
+    assert cache.admit(1) == 30, "stage 1: admit() must reserve max_model_len slots, so the next request starts at 30"
+    assert cache.admit(2, max_len=10) == 60, "stage 1: admit(max_len=...) reserves the next hole that fits"
+    assert cache.holes() == [(70, 30)], "stage 1: holes() must list the free stretches (start, length) in address order"
+
+
+def test_step2_appended_tokens_sit_in_consecutive_slots_and_read_back_exactly():
+    rng = np.random.default_rng(0)
+    cache = contig.ContiguousKVCache(num_slots=64, max_model_len=32, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
+    cache.admit(0)
+    cache.admit(1)
+    k0, v0 = make_kv(rng, 5)
+    k1, v1 = make_kv(rng, 3)
+    assert list(cache.append(0, k0, v0)) == [0, 1, 2, 3, 4], "stage 1: a prefill's tokens take consecutive slots from the reservation's start"
+    assert list(cache.append(1, k1, v1)) == [32, 33, 34], "stage 1: request 1's tokens go into its own reservation"
+    kd, vd = make_kv(rng, 1)
+    assert list(cache.append(0, kd, vd)) == [5], "stage 1: a decode token takes the next slot after the request's last token"
+    k, v = cache.read(0)
+    assert k.tobytes() == np.concatenate([k0, kd]).tobytes(), "stage 1: read() must return exactly the K that were appended, in order"
+    assert v.tobytes() == np.concatenate([v0, vd]).tobytes(), "stage 1: read() must return exactly the V that were appended, in order"
+    assert cache.append(1, num_tokens=2) == range(35, 37), "stage 1: append(num_tokens=n) reserves slots without storing K/V"
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_step3_attention_read_from_the_cache_equals_the_oracle_bit_for_bit(dtype):
+    rng = np.random.default_rng(1)
+    cache = contig.ContiguousKVCache(num_slots=96, max_model_len=40, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=dtype)
+    ks, vs = {}, {}
+    for rid in (0, 1):  # two requests, so request 1 lives away from slot 0
+        cache.admit(rid)
+        ks[rid], vs[rid] = make_kv(rng, 7, dtype)
+        cache.append(rid, ks[rid], vs[rid])
+        q = rng.standard_normal((7, NUM_HEADS, HEAD_DIM)).astype(dtype)
+        out = cache.attention(rid, q)
+        assert out.tobytes() == attention(q, ks[rid], vs[rid]).tobytes(), \
+            f"stage 1: prefill attention of request {rid} must equal the oracle exactly ({np.dtype(dtype).name})"
+    for _ in range(5):  # decode steps, interleaved between the two requests
+        for rid in (0, 1):
+            k, v = make_kv(rng, 1, dtype)
+            ks[rid], vs[rid] = np.concatenate([ks[rid], k]), np.concatenate([vs[rid], v])
+            cache.append(rid, k, v)
+            q = rng.standard_normal((1, NUM_HEADS, HEAD_DIM)).astype(dtype)
+            assert cache.attention(rid, q, scale=0.3).tobytes() == attention(q, ks[rid], vs[rid], scale=0.3).tobytes(), \
+                f"stage 1: decode attention of request {rid} must equal the oracle exactly ({np.dtype(dtype).name})"
+
+
+def test_step4_a_request_cannot_grow_past_its_reservation():
+    cache = contig.ContiguousKVCache(num_slots=64, max_model_len=16)
+    cache.admit(0, max_len=4)
+    cache.append(0, num_tokens=4)
+    with pytest.raises(contig.MaxModelLenError):
+        cache.append(0, num_tokens=1)
+    with pytest.raises(contig.MaxModelLenError):
+        cache.admit(1, max_len=17)  # stage 1: a reservation larger than max_model_len must be refused
+    assert cache.reservations[0].num_tokens == 4, "stage 1: a refused append must leave the request unchanged"
+
+
+def test_step5_release_leaves_a_hole_and_first_fit_takes_the_lowest_hole_that_fits():
+    cache = contig.ContiguousKVCache(num_slots=100, max_model_len=30)
+    for rid in range(3):
+        cache.admit(rid)
+    cache.release(1)
+    assert cache.holes() == [(30, 30), (90, 10)], "stage 1: release() must return the request's whole stretch as a hole"
+    assert cache.admit(3, max_len=10) == 30, "stage 1: first fit picks the lowest-addressed hole that is large enough"
+    assert cache.admit(4, max_len=20) == 40, "stage 1: the rest of a partly used hole is still a hole"
+    assert cache.admit(5, max_len=10) == 90, "stage 1: a request that fits only the last hole goes there"
+
+
+def test_step6_external_fragmentation_refuses_a_request_although_enough_memory_is_free():
+    cache = contig.ContiguousKVCache(num_slots=10, max_model_len=10)
+    cache.admit(0, max_len=3)  # slots 0..2
+    cache.admit(1, max_len=4)  # slots 3..6
+    cache.admit(2, max_len=3)  # slots 7..9
+    cache.release(0)
+    cache.release(2)
+    assert sum(length for _, length in cache.holes()) == 6, "stage 1: 6 slots are free in total"
+    with pytest.raises(contig.NoContiguousSpaceError):
+        cache.admit(3, max_len=4)  # stage 1: no single hole holds 4 slots, so the request must be refused
+    assert 3 not in cache.reservations, "stage 1: a refused request must hold no reservation"
+
+
+def test_step7_usage_splits_the_arena_into_token_states_reserved_and_fragmentation():
+    cache = contig.ContiguousKVCache(num_slots=100, max_model_len=30)
+    for rid, n in enumerate((5, 10, 2)):
+        cache.admit(rid)
+        cache.append(rid, num_tokens=n)
+    u = cache.usage({0: 20, 1: 10, 2: 25})  # the requests' final lengths, known only to an observer
+    assert u.total == 100
+    assert u.token_states == 17, "stage 1: token states are the slots holding tokens already processed (5 + 10 + 2)"
+    assert u.reserved == 15 + 0 + 23, "stage 1: reserved slots will hold tokens generated later (final length - tokens so far)"
+    assert u.internal_fragmentation == 10 + 20 + 5, "stage 1: internal fragmentation = reservation - final length, never used"
+    assert u.external_fragmentation == 10, "stage 1: the 10-slot hole cannot hold a max_model_len (30) reservation: external fragmentation"
+    assert u.token_states + u.reserved + u.internal_fragmentation + u.external_fragmentation == u.total, \
+        "stage 1: the four parts must add up to the whole arena when no usable hole is left"
+    assert u.token_state_fraction == 17 / 100, "stage 1: token_state_fraction is token states / occupied memory"
+    blind = cache.usage()
+    assert (blind.reserved, blind.internal_fragmentation) == (90 - 17, 0), \
+        "stage 1: without final lengths, every unused reserved slot counts as reserved"
+
+
+def test_step8_bad_input_gets_a_clear_error():
+    with pytest.raises(ValueError, match="num_slots"):
+        contig.ContiguousKVCache(num_slots=0, max_model_len=8)
+    with pytest.raises(ValueError, match="max_model_len"):
+        contig.ContiguousKVCache(num_slots=8, max_model_len=0)
+    cache = contig.ContiguousKVCache(num_slots=16, max_model_len=8)
+    cache.admit(0)
+    with pytest.raises(ValueError, match="already admitted"):
+        cache.admit(0)
+    cache.release(0)
+    with pytest.raises(KeyError, match="no reservation"):
+        cache.release(0)  # stage 1: releasing twice must be an error, not a silent no-op
+    with pytest.raises(KeyError):
+        cache.append(7, num_tokens=1)  # never admitted
+    cache.admit(1)
+    with pytest.raises(ValueError, match="storage"):
+        cache.read(1)  # built without num_kv_heads/head_dim: there is nothing to read
