@@ -1,0 +1,298 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2) in plain torch, with its attention read through a paged KV cache.
+
+One idea: a decoder-only transformer is a stack of per-token operations (RMSNorm, linear layers,
+RoPE, SwiGLU, residual adds) around one operation that mixes tokens, attention. Only attention
+needs the KV cache, so only attention goes through the backend (`pagedref.backends`), which writes
+each new token's K/V into its slot and reads every sequence's context through its block table.
+
+Batch invariance (the CPU numerics contract, `batch_invariant=True`): a request's logits must not
+depend on which other tokens share the step (continuous batching), on how its prompt was chunked
+(chunked prefill) or on whether it was preempted and recomputed. A batched matrix product breaks
+that: BLAS chooses its blocking, and so the order of its floating-point additions, from the matrix
+shape, so `F.linear` on N rows differs in the last bits from `F.linear` on each row (measured on
+this CPU). So in this mode every per-token operation, from the norms and linear layers through
+RoPE, the activations and residual adds to the logits, is applied to each token's row on its own
+(shape [1, ...]) by `map_rows`: a row is computed by the same kernels on the same shapes whatever
+the batch, so bit for bit the same; and on one intra-op thread (`one_thread`), so that neither the
+process's thread setting nor a busy CPU can change or slow it. Attention is already per-row by
+construction (the reference backend calls the oracle's `attend_row` on exactly the keys a row can
+see). RoPE's cos/sin tables are computed once at load time, so a position's rotation is a table
+lookup, never a batch-shaped computation. With `batch_invariant=False` (the GPU path) the same
+operations run batched: fast, and invariant only up to rounding.
+
+Tensor parallelism (issue 7) fits without a rewrite: q/k/v/gate/up are separate column-parallel
+projections and o/down separate row-parallel ones, each loaded by name (`loader.load_weights`), and
+each attention layer derives its head counts from the config in one place.
+
+Invariant: for the same weights, `model(...)` followed by `compute_logits` equals Hugging Face
+transformers' forward pass to float32 rounding (tested to 1e-4 against `hf_reference.json`).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedref.backends.metadata import AttentionMetadata
+from pagedref.models.config import ModelConfig
+
+
+def map_rows(fn: Callable, *rows: torch.Tensor, per_row: bool = True):
+    """fn(*rows), computed one token row at a time when per_row (so no result depends on the batch).
+
+    Every tensor in `rows` has the token dimension first; fn returns a tensor or a tuple of tensors,
+    each with the token dimension first.
+    """
+    if not per_row or rows[0].shape[0] <= 1:  # one row (or none) already is its own batch
+        return fn(*rows)
+    outs = [fn(*(t[i : i + 1] for t in rows)) for i in range(rows[0].shape[0])]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*outs))
+    return torch.cat(outs)
+
+
+@contextmanager
+def one_thread(enabled: bool) -> Iterator[None]:
+    """Run torch on one intra-op thread while `enabled` (the per-row path), then restore the setting.
+
+    Single rows are far too small to gain from intra-op threads, and on a busy CPU those threads wait
+    on each other: on 2 shared cores the per-row path ran 25x slower with 2 threads than with 1 (measured).
+    One thread also keeps a row's result independent of the process's thread setting.
+    """
+    threads = torch.get_num_threads()
+    if not enabled or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[head_dim / 2] float32 rotation frequencies, as transformers computes them for each rope_type."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":  # positions / factor == frequencies / factor
+        return inv_freq / scaling["factor"]
+    # llama3: keep high frequencies, divide low ones by `factor`, blend smoothly in between.
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of every position's rotation angles, tabulated once: [max_position_embeddings, head_dim / 2]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.register_buffer("cos", torch.empty(config.max_position_embeddings, config.head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty_like(self.cos), persistent=False)
+        self.reset_tables()
+
+    @torch.no_grad()
+    def reset_tables(self) -> None:
+        if self.cos.is_meta:  # built on the meta device: `LlamaForCausalLM.materialize` fills them later
+            return
+        positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
+        angles = torch.outer(positions, rope_inv_freq(self.config))  # [max_pos, d/2], float32 as in transformers
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)  # [T, d/2] each
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, d] by its positions' angles, in HF's half-split layout.
+
+    transformers' `x * cos + rotate_half(x) * sin` with rotate_half(x) = [-x2, x1] written out per half:
+    dimension i pairs with i + d/2 (not 2i with 2i+1, as in llama2.c / GPT-J's interleaved layout).
+    """
+    cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]  # [T, 1, d/2]: same angle for every head
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # the statistics in float32 whatever the model dtype, as transformers does
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        # Heads held by this module. Under tensor parallelism each rank would hold num_heads / tp_size
+        # query heads and num_kv_heads / tp_size KV heads: these two lines are where that would go.
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # Column-parallel (split by output rows under TP): separate q, k, v so each loads by its own name.
+        self.q_proj = nn.Linear(hidden, q_size, bias=config.attention_bias, dtype=dtype)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias, dtype=dtype)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias, dtype=dtype)
+        # Row-parallel (split by input columns under TP, all-reduced after).
+        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias, dtype=dtype)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, hidden] -> q [T, H, d], k [T, Hkv, d] (both rotated), v [T, Hkv, d]."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias, dtype=dtype)  # column-parallel
+        self.up_proj = nn.Linear(hidden, inter, bias=bias, dtype=dtype)  # column-parallel
+        self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype)  # row-parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block. Split in two around attention, the one step that needs the other tokens."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Residual stream x [T, hidden] -> this layer's q [T, H, d], k, v [T, Hkv, d]."""
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+
+    def attn_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual stream x [T, hidden] and attention output [T, H, d] -> the next residual stream."""
+        x = x + self.self_attn.o_proj(attn.flatten(1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, batch_invariant: bool = True):
+        super().__init__()
+        self.batch_invariant = batch_invariant
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(config)
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, backend) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers (one (k, v) pair per layer)")
+        per_row = self.batch_invariant
+        with one_thread(per_row):
+            cos, sin = self.rotary(positions)  # [T, d/2]: table lookups, the same whatever the batch
+            x = self.embed_tokens(input_ids)  # [T, hidden]
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                q, k, v = map_rows(layer.attn_in, x, cos, sin, per_row=per_row)  # [T, H, d], [T, Hkv, d] x2
+                attn = backend.forward(q, k, v, kv_cache, meta, layer.self_attn.scale)  # [T, H, d]
+                x = map_rows(layer.attn_out_and_mlp, x, attn, per_row=per_row)
+            return map_rows(self.norm, x, per_row=per_row)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama, Mistral and Qwen2 (they differ only in config: biases, tying, rope) with HF's parameter names."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, batch_invariant: bool = True):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, dtype, batch_invariant)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.tie_weights()
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.model.batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, value: bool) -> None:
+        self.model.batch_invariant = value
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:  # logits = hidden @ embeddingᵀ: one matrix, one parameter
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def materialize(self, device: torch.device | str) -> "LlamaForCausalLM":
+        """Give a model built on the meta device (no init work) real, uninitialised storage on `device`."""
+        self.to_empty(device=device)
+        self.tie_weights()  # to_empty gives the shared parameter two separate copies: share it again
+        self.model.rotary.reset_tables()  # the tables were never computed on meta
+        return self
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64: the step's new tokens, all sequences concatenated
+        positions: torch.Tensor,  # [T] int64: each token's position in its sequence
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, each [num_blocks, block_size, Hkv, d]
+        meta: AttentionMetadata,
+        backend,
+    ) -> torch.Tensor:
+        """The step's final hidden states [T, hidden] (after the final norm); pass rows to compute_logits."""
+        return self.model(input_ids, positions, kv_caches, meta, backend)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32 (lm_head in the model dtype, as transformers)."""
+        with one_thread(self.batch_invariant):
+            return map_rows(self.lm_head, hidden, per_row=self.batch_invariant).float()
+
+    def forward_train(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Plain causal LM forward without any cache, for training: input_ids [B, T] -> logits [B, T, vocab] float32.
+
+        Batched matrix products and torch's scaled_dot_product_attention; gradients flow (no no_grad).
+        """
+        b, t = input_ids.shape
+        m = self.model
+        positions = torch.arange(t, device=input_ids.device).repeat(b)  # [B*T]
+        cos, sin = m.rotary(positions)
+        x = m.embed_tokens(input_ids.flatten())  # [B*T, hidden]
+        for layer in m.layers:
+            q, k, v = layer.attn_in(x, cos, sin)  # [B*T, H, d], [B*T, Hkv, d] x2
+            attn = causal_attention(q.view(b, t, *q.shape[1:]), k.view(b, t, *k.shape[1:]), v.view(b, t, *v.shape[1:]))
+            x = layer.attn_out_and_mlp(x, attn.reshape(b * t, *q.shape[1:]))
+        return self.lm_head(m.norm(x)).float().view(b, t, -1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [B, T, H, d], k/v [B, T, Hkv, d] -> [B, T, H, d]: causal grouped-query attention with torch SDPA."""
+    group = q.shape[2] // k.shape[2]
+    # Query head h reads KV head h // group: repeat each KV head `group` times, adjacent (HF's repeat_kv).
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    return out.transpose(1, 2)
