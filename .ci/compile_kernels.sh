@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Compile every CUDA kernel of cuda/ with nvcc, for every configuration the package instantiates
+# (each dtype x head_dim x block_size, each heads-per-CTA), so a kernel that does not compile fails
+# CI on a machine without a GPU. The configuration list comes from pagedref.kernels.build.print_ci_configs()
+# (the same -D options CuPy's NVRTC gets at run time). Skips, successfully, if nvcc is absent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v nvcc >/dev/null; then
+  echo "compile_kernels: nvcc not found, skipping"
+  exit 0
+fi
+ARCH=${ARCH:-sm_90}
+JOBS=${JOBS:-$(nproc)}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+python3 -c "from pagedref.kernels.build import print_ci_configs; print_ci_configs()" >"$tmp/configs"
+echo "compile_kernels: $(wc -l <"$tmp/configs") configurations, nvcc -arch=$ARCH --ptx, $JOBS jobs"
+# Each line: FILE [-DNAME=VALUE ...]; any failing nvcc fails the script (xargs exits non-zero).
+compile() {
+  local n=$1 file=$2
+  shift 2
+  nvcc -arch="$ARCH" -std=c++17 --ptx -Icuda "$@" "cuda/$file" -o "$tmp/k$n.ptx" \
+    || { echo "FAILED: nvcc -arch=$ARCH -std=c++17 --ptx -Icuda $* cuda/$file" >&2; exit 255; }
+}
+export -f compile
+export ARCH tmp
+awk '{print NR, $0}' "$tmp/configs" | xargs -d '\n' -P "$JOBS" -n 1 bash -c 'compile $0'
+echo "compile_kernels: all configurations compiled"

@@ -1,0 +1,102 @@
+// common.cuh: what the attention kernels share: the element type of the KV pool and its
+// conversions to fp32, the -D parameters every attention kernel needs, the CTA size, warp reductions.
+//
+// One idea: kernels are written once against `scalar_t` and compiled per dtype with -DPR_DTYPE=0|1|2
+// (fp32, fp16, bf16). Everything is accumulated in fp32; the pool element is only a storage format.
+//
+// fp16/bf16 are stored as raw 16-bit words and converted with single PTX instructions (cvt.*), so
+// the kernels include no header at all: the same source compiles under nvcc (CI) and under NVRTC
+// (CuPy at run time) whatever headers the CuPy install ships. Loads are 16 bytes wide (uint4):
+// VEC elements of scalar_t per load.
+#pragma once
+
+#ifndef PR_DTYPE
+#error "compile with -DPR_DTYPE=0 (float32), 1 (float16) or 2 (bfloat16)"
+#endif
+
+#if PR_DTYPE == 0
+typedef float scalar_t;
+#elif PR_DTYPE == 1 || PR_DTYPE == 2
+typedef unsigned short scalar_t;  // the raw bits of a half or a bfloat16
+#else
+#error "PR_DTYPE must be 0, 1 or 2"
+#endif
+
+#ifndef HEAD_DIM
+#error "compile with -DHEAD_DIM=..."
+#endif
+#ifndef BLOCK_SIZE
+#error "compile with -DBLOCK_SIZE=..."
+#endif
+
+#define PR_WARP 32
+#define PR_FULL_MASK 0xffffffffu
+constexpr int NUM_THREADS = 128;  // every attention CTA: 4 warps (pagedref.kernels.splitk.NUM_THREADS)
+constexpr int NUM_WARPS = NUM_THREADS / PR_WARP;
+
+// Elements of scalar_t in one 16-byte load.
+constexpr int VEC = 16 / (int)sizeof(scalar_t);
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float to_float(scalar_t x) {
+#if PR_DTYPE == 0
+  return x;
+#elif PR_DTYPE == 1
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+  return f;
+#else
+  return __uint_as_float(((unsigned int)x) << 16);  // bf16 is the top half of an fp32
+#endif
+}
+
+__device__ __forceinline__ scalar_t from_float(float f) {
+#if PR_DTYPE == 0
+  return f;
+#elif PR_DTYPE == 1
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));  // round to nearest even
+  return h;
+#else
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));  // round to nearest even (sm_80+)
+  return h;
+#endif
+}
+
+// One 16-byte word -> VEC floats.
+__device__ __forceinline__ void unpack(const uint4 &u, float (&f)[VEC]) {
+#if PR_DTYPE == 0
+  f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y);
+  f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
+#else
+  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = to_float((scalar_t)(w[i] & 0xffffu));
+    f[2 * i + 1] = to_float((scalar_t)(w[i] >> 16));
+  }
+#endif
+}
+
+// Read-only 16-byte load through the non-coherent cache: K/V never change during a kernel.
+__device__ __forceinline__ uint4 load16(const scalar_t *p) {
+  return __ldg(reinterpret_cast<const uint4 *>(p));
+}
+
+// Butterfly reductions over `width` consecutive lanes (width a power of two, <= 32). Every lane of
+// the group ends with the same bits: a+b == b+a, so the xor tree gives every lane one order.
+template <int WIDTH>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int o = WIDTH / 2; o > 0; o /= 2) x += __shfl_xor_sync(PR_FULL_MASK, x, o);
+  return x;
+}
+
+template <int WIDTH>
+__device__ __forceinline__ float group_max(float x) {
+#pragma unroll
+  for (int o = WIDTH / 2; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(PR_FULL_MASK, x, o));
+  return x;
+}

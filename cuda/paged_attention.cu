@@ -1,0 +1,509 @@
+// paged_attention.cu: decode attention (one new query token per sequence) over a paged KV cache.
+//
+// Layout read (vLLM's):
+//   q            [num_seqs, num_heads, HEAD_DIM]                      scalar_t
+//   k/v_cache    [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]     scalar_t (one layer's pool)
+//   block_tables [num_seqs, max_blocks] int32: logical block i of sequence s lives in physical
+//                block block_tables[s, i]; token t of s is at slot (block_tables[s, t / BLOCK_SIZE],
+//                t % BLOCK_SIZE). Entries past a sequence's last block are padding and never read.
+//   context_lens [num_seqs] int32: tokens of each sequence, the new one included.
+//   out          [num_seqs, num_heads, HEAD_DIM]                      scalar_t
+// Query head h reads KV head h / (num_heads / num_kv_heads) (grouped-query attention).
+//
+// Algorithm: out = softmax(scale * q.K^T) . V over the sequence's context, accumulated in fp32.
+//
+// Versions, in rising sophistication (all are kept and tested; the backend uses v2 with registers):
+//   v1 paged_attention_v1: one CTA per (sequence, query head) walks the whole context in chunks
+//      of NUM_THREADS tokens, one thread per token computing a full dot product with scalar loads,
+//      and keeps an online softmax (running max and sum, rescaling the accumulator). Easy to read,
+//      but K rows are read by one thread each (uncoalesced), a group of query heads re-reads the
+//      same K/V, and a long context runs on a single CTA while most of the GPU idles (H200: 0.2 TB/s).
+//   v2 paged_attention_v2 + paged_attention_reduce (split-K, "flash-decoding"): the context is cut
+//      into partitions of PARTITION_SIZE tokens, a FIXED number never derived from the batch.
+//      One CTA per (group of HEADS_PER_CTA query heads sharing one KV head, partition, sequence):
+//        - K and V of the partition are read once for all the heads of the group;
+//        - TPT threads cooperate on one token, each holding NCHUNK 16-byte slices (VEC elements)
+//          of its row, so a warp reads whole row segments; fewer threads per token means fewer
+//          shuffles per dot product (8 rather than 16 at head_dim 128 was worth +20% on an H200);
+//        - loads are software-pipelined: while a thread computes on UNROLL tokens, its next step
+//          is already in flight (V's first step flies during the softmax);
+//        - the partition's block numbers are staged in shared memory, so address arithmetic does
+//          not wait on a dependent global load;
+//        - phase 1 writes the logits to shared memory, phase 2 turns them into exp(logit - max),
+//          phase 3 accumulates p.V, reduced across warps through shared memory;
+//        - a sequence with one partition writes its output directly; otherwise each partition
+//          writes its normalized partial output with its max logit and exp-sum, and the reduce
+//          kernel merges them: w_p = sum_p * exp(max_p - max), out = sum_p w_p o_p / sum_p w_p.
+//   v2 with ASYNC_COPY=1: the in-flight steps live in a per-thread cp.async ring in shared memory
+//      (STAGES deep) instead of registers, so the depth no longer costs occupancy. Same arithmetic,
+//      same bits. With 8 threads per token and 1024-token partitions it was the fastest variant
+//      measured (docs/benchmarks.md); it is not the default yet because float32 builds overflow
+//      48 KB of static shared memory with it.
+//   Bit-level consequences: every reduction runs in an order fixed by (HEAD_DIM, PARTITION_SIZE,
+//   THREADS_PER_TOKEN, NUM_THREADS) and by token index only, so a sequence's result is the same
+//   bits whatever physical blocks hold its K/V, whatever else is in the batch, and however the
+//   loads are scheduled. It is NOT the same bits as a single-pass softmax (or as another GPU's
+//   expf): the sums are associated differently.
+//
+// Launch shapes:
+//   v1:     grid (num_seqs, num_heads),                              block NUM_THREADS
+//   v2:     grid (num_heads / HEADS_PER_CTA, max_parts, num_seqs),  block NUM_THREADS (the CTAs of
+//           one sequence and partition are neighbours in launch order)
+//   reduce: grid (num_seqs, num_heads),                              block NUM_THREADS
+//
+// Compile-time parameters (-D): PR_DTYPE (0 fp32, 1 fp16, 2 bf16), HEAD_DIM (a multiple of VEC,
+// <= 256), BLOCK_SIZE, HEADS_PER_CTA (<= 8, divides the GQA group), PARTITION_SIZE (a multiple of
+// BLOCK_SIZE), UNROLL (tokens per pipeline step per thread), THREADS_PER_TOKEN (power of two <= 32),
+// MIN_CTAS_PER_SM (v2's register budget: __launch_bounds__'s second argument), ASYNC_COPY (0/1),
+// STAGES (depth of the cp.async ring).
+#include "common.cuh"
+
+#ifndef HEADS_PER_CTA
+#define HEADS_PER_CTA 1
+#endif
+#ifndef PARTITION_SIZE
+#define PARTITION_SIZE 512
+#endif
+#ifndef UNROLL
+#define UNROLL 4
+#endif
+#ifndef MIN_CTAS_PER_SM
+#define MIN_CTAS_PER_SM 1
+#endif
+#ifndef ASYNC_COPY
+#define ASYNC_COPY 0
+#endif
+#ifndef STAGES
+#define STAGES 4
+#endif
+
+constexpr int G = HEADS_PER_CTA;
+
+constexpr int pow2_ceil(int x) { return x <= 1 ? 1 : 2 * pow2_ceil((x + 1) / 2); }
+constexpr int cmin(int a, int b) { return a < b ? a : b; }
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+
+// TPT threads share one token, each holding NCHUNK 16-byte slices of the head dimension. Fewer
+// threads per token means fewer shuffles to finish each dot product but more query registers;
+// the Python side picks it (pagedref.kernels.splitk.threads_per_token).
+#ifndef THREADS_PER_TOKEN
+#define THREADS_PER_TOKEN cmin(pow2_ceil(HEAD_DIM / VEC), PR_WARP)
+#endif
+constexpr int TPT = THREADS_PER_TOKEN;
+constexpr int NCHUNK = (HEAD_DIM + TPT * VEC - 1) / (TPT * VEC);
+constexpr int TOK_PER_ITER = NUM_THREADS / TPT;
+constexpr int STEP = TOK_PER_ITER * UNROLL;
+// v2's shared scratch: the logits [G][PARTITION_SIZE], later the per-warp partial sums.
+constexpr int SMEM_FLOATS = cmax(G * PARTITION_SIZE, NUM_WARPS * G * HEAD_DIM);
+
+static_assert(HEAD_DIM % VEC == 0, "HEAD_DIM must be a multiple of 16 bytes of elements");
+static_assert(HEAD_DIM <= 256, "HEAD_DIM above 256 is not supported");
+static_assert(PARTITION_SIZE % BLOCK_SIZE == 0, "a partition must hold whole blocks");
+static_assert(G >= 1 && G <= 8, "HEADS_PER_CTA must be 1..8");
+static_assert(!ASYNC_COPY || STAGES >= 2, "the cp.async ring needs at least 2 stages");
+static_assert(TPT >= 1 && TPT <= PR_WARP && (TPT & (TPT - 1)) == 0, "THREADS_PER_TOKEN: a power of two <= 32");
+
+// Element offset of (token, kv head, dim 0) in the pool, given the token's physical block.
+__device__ __forceinline__ long long slot_offset(int block, int token, int kv_head, int num_kv_heads) {
+  const long long slot = (long long)block * BLOCK_SIZE + token % BLOCK_SIZE;
+  return (slot * num_kv_heads + kv_head) * HEAD_DIM;
+}
+
+// ---------------------------------------------------------------------------------------------
+// v1: one CTA per (sequence, query head), one thread per token, online softmax.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ float block_reduce_v1(float x, float *red, bool is_max) {
+  const int warp = threadIdx.x / PR_WARP, lane = threadIdx.x % PR_WARP;
+  x = is_max ? group_max<PR_WARP>(x) : group_sum<PR_WARP>(x);
+  if (lane == 0) red[warp] = x;
+  __syncthreads();
+  float r = red[0];
+  for (int w = 1; w < NUM_WARPS; ++w) r = is_max ? fmaxf(r, red[w]) : r + red[w];
+  __syncthreads();  // red is reused by the next call
+  return r;
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v1(
+    scalar_t *__restrict__ out, const scalar_t *__restrict__ q,
+    const scalar_t *__restrict__ k_cache, const scalar_t *__restrict__ v_cache,
+    const int *__restrict__ block_tables, const int *__restrict__ context_lens,
+    int max_blocks, int num_heads, int num_kv_heads, float scale) {
+  constexpr int DPT = (HEAD_DIM + NUM_THREADS - 1) / NUM_THREADS;  // output dims per thread
+  __shared__ float q_s[HEAD_DIM];
+  __shared__ float p_s[NUM_THREADS];
+  __shared__ float red[NUM_WARPS];
+  const int s = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+  const int kv_head = h / (num_heads / num_kv_heads);
+  const int ctx = context_lens[s];
+  const int *bt = block_tables + (long long)s * max_blocks;
+  for (int d = tid; d < HEAD_DIM; d += NUM_THREADS)
+    q_s[d] = to_float(q[((long long)s * num_heads + h) * HEAD_DIM + d]);
+  __syncthreads();
+
+  float acc[DPT];
+#pragma unroll
+  for (int i = 0; i < DPT; ++i) acc[i] = 0.f;
+  float m = neg_inf(), l = 0.f;
+  for (int t0 = 0; t0 < ctx; t0 += NUM_THREADS) {
+    const int t = t0 + tid;
+    float score = neg_inf();
+    if (t < ctx) {
+      const scalar_t *k = k_cache + slot_offset(bt[t / BLOCK_SIZE], t, kv_head, num_kv_heads);
+      float dot = 0.f;
+      for (int d = 0; d < HEAD_DIM; ++d) dot = fmaf(q_s[d], to_float(k[d]), dot);
+      score = dot * scale;
+    }
+    const float m_new = fmaxf(m, block_reduce_v1(score, red, true));
+    const float p = t < ctx ? expf(score - m_new) : 0.f;
+    const float corr = expf(m - m_new);  // 0 on the first chunk (m = -inf)
+    l = l * corr + block_reduce_v1(p, red, false);
+    m = m_new;
+    p_s[tid] = p;
+    __syncthreads();
+    const int n = min(NUM_THREADS, ctx - t0);
+#pragma unroll
+    for (int i = 0; i < DPT; ++i) {
+      const int d = tid + i * NUM_THREADS;
+      if (d >= HEAD_DIM) continue;
+      float a = acc[i] * corr;
+      for (int j = 0; j < n; ++j) {
+        const int tj = t0 + j;
+        const scalar_t *v = v_cache + slot_offset(bt[tj / BLOCK_SIZE], tj, kv_head, num_kv_heads);
+        a = fmaf(p_s[j], to_float(v[d]), a);
+      }
+      acc[i] = a;
+    }
+    __syncthreads();  // p_s is rewritten by the next chunk
+  }
+#pragma unroll
+  for (int i = 0; i < DPT; ++i) {
+    const int d = tid + i * NUM_THREADS;
+    if (d < HEAD_DIM) out[((long long)s * num_heads + h) * HEAD_DIM + d] = from_float(acc[i] / l);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// v2: split-K over fixed partitions, a group of query heads per CTA, 16-byte loads.
+// ---------------------------------------------------------------------------------------------
+// Where the UNROLL tokens of pipeline step `step` are for this thread: token t of the partition
+// (t < n), 16-byte slice c of its row. Threads past the partition's end get nullptr.
+__device__ __forceinline__ const scalar_t *token_slice(const scalar_t *__restrict__ cache, const int *blocks_s,
+                                                       int start, int t, int n, int c, int kv_head, int num_kv_heads) {
+  const int d0 = (c * TPT + threadIdx.x % TPT) * VEC;
+  if (t >= n || d0 >= HEAD_DIM) return nullptr;
+  return cache + slot_offset(blocks_s[t / BLOCK_SIZE], start + t, kv_head, num_kv_heads) + d0;
+}
+
+#if ASYNC_COPY
+__device__ __forceinline__ void cp_async16(uint4 *dst, const scalar_t *src, const scalar_t *any_valid) {
+  // src == nullptr: copy 0 bytes and zero-fill the 16 (nothing is read past the partition).
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src ? src : any_valid),
+               "r"(src ? 16 : 0));
+}
+#endif
+
+// One thread's stream of K (or V) slices through the partition, one step of UNROLL tokens at a
+// time, with the next LOOKAHEAD steps already in flight. Two ways to keep bytes in flight:
+//   ASYNC_COPY 0: the next step is loaded into registers while this one is computed (register cost
+//                 grows with the depth, so occupancy falls);
+//   ASYNC_COPY 1: cp.async copies STAGES-1 steps ahead into a per-thread ring in shared memory;
+//                 each thread reads back only what it copied itself, so no barrier is needed.
+struct TokenStream {
+  const scalar_t *cache;
+  const int *blocks_s;
+  int start, n, kv_head, num_kv_heads;
+#if ASYNC_COPY
+  static constexpr int LOOKAHEAD = STAGES - 1;
+  uint4 *ring;  // [STAGES][UNROLL][NCHUNK][NUM_THREADS]
+#else
+  static constexpr int LOOKAHEAD = 1;
+  uint4 next[UNROLL][NCHUNK];
+#endif
+
+  __device__ __forceinline__ void fetch(int step) {  // start loading step `step` (none past the end)
+    const int base = step * STEP + threadIdx.x / TPT;
+#if ASYNC_COPY
+    if (step * STEP < n)
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+        for (int c = 0; c < NCHUNK; ++c)
+          cp_async16(&ring[(((step % STAGES) * UNROLL + u) * NCHUNK + c) * NUM_THREADS + threadIdx.x],
+                     token_slice(cache, blocks_s, start, base + u * TOK_PER_ITER, n, c, kv_head, num_kv_heads),
+                     cache);
+    asm volatile("cp.async.commit_group;\n" ::);  // one group per step, empty or not: uniform counting
+#else
+    if (step * STEP < n)
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+        for (int c = 0; c < NCHUNK; ++c) {
+          const scalar_t *p = token_slice(cache, blocks_s, start, base + u * TOK_PER_ITER, n, c, kv_head, num_kv_heads);
+          next[u][c] = p ? load16(p) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#endif
+  }
+
+  __device__ __forceinline__ void begin() {
+#pragma unroll
+    for (int j = 0; j < LOOKAHEAD; ++j) fetch(j);
+  }
+
+  // Hand over step `step` (zeros past the partition) and start fetching step + LOOKAHEAD.
+  __device__ __forceinline__ void take(uint4 (&cur)[UNROLL][NCHUNK], int step) {
+#if ASYNC_COPY
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));  // all but the newest STAGES-2 landed
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+      for (int c = 0; c < NCHUNK; ++c)
+        cur[u][c] = ring[(((step % STAGES) * UNROLL + u) * NCHUNK + c) * NUM_THREADS + threadIdx.x];
+#else
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+      for (int c = 0; c < NCHUNK; ++c) cur[u][c] = next[u][c];
+#endif
+    fetch(step + LOOKAHEAD);
+  }
+};
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged_attention_v2(
+    scalar_t *__restrict__ out,          // [num_seqs, num_heads, HEAD_DIM]
+    float *__restrict__ tmp_out,         // [num_seqs, num_heads, max_parts, HEAD_DIM]
+    float *__restrict__ max_logits,      // [num_seqs, num_heads, max_parts]
+    float *__restrict__ exp_sums,        // [num_seqs, num_heads, max_parts]
+    const scalar_t *__restrict__ q,      // [num_seqs, num_heads, HEAD_DIM]
+    const scalar_t *__restrict__ k_cache, const scalar_t *__restrict__ v_cache,
+    const int *__restrict__ block_tables, const int *__restrict__ context_lens,
+    int max_blocks, int num_heads, int num_kv_heads, int max_parts, float scale) {
+  __shared__ float4 smem4[(SMEM_FLOATS + 3) / 4];  // float4: 16-byte aligned
+  float *smem = reinterpret_cast<float *>(smem4);  // logits [G][PARTITION_SIZE], later partial sums
+  __shared__ int blocks_s[PARTITION_SIZE / BLOCK_SIZE];
+  __shared__ float red[NUM_WARPS][G];
+  __shared__ float max_s[G];
+
+  const int head0 = blockIdx.x * G, part = blockIdx.y, s = blockIdx.z;
+  const int ctx = context_lens[s];
+  const int start = part * PARTITION_SIZE;
+  if (start >= ctx) return;  // the whole CTA leaves together: no barrier is left half-reached
+  const int n = min(PARTITION_SIZE, ctx - start);
+  const int num_parts = (ctx + PARTITION_SIZE - 1) / PARTITION_SIZE;
+  const int kv_head = head0 / (num_heads / num_kv_heads);
+  const int tid = threadIdx.x, warp = tid / PR_WARP, lane = tid % PR_WARP;
+  const int tok_lane = tid / TPT, d_lane = tid % TPT;
+  float(*logits)[PARTITION_SIZE] = reinterpret_cast<float(*)[PARTITION_SIZE]>(smem);
+
+  // Stage the partition's physical block numbers (only the blocks that hold its tokens).
+  const int *bt = block_tables + (long long)s * max_blocks + start / BLOCK_SIZE;
+  for (int i = tid; i < (n + BLOCK_SIZE - 1) / BLOCK_SIZE; i += NUM_THREADS) blocks_s[i] = bt[i];
+
+  // This thread's slices of the G query vectors, in fp32.
+  float qf[G][NCHUNK][VEC];
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int c = 0; c < NCHUNK; ++c) {
+      const int d0 = (c * TPT + d_lane) * VEC;
+      const uint4 u = d0 < HEAD_DIM ? load16(q + ((long long)s * num_heads + head0 + g) * HEAD_DIM + d0)
+                                    : make_uint4(0u, 0u, 0u, 0u);
+      unpack(u, qf[g][c]);
+    }
+  __syncthreads();  // blocks_s ready
+
+  // Phase 1: logits = scale * q.k for every token of the partition and head of the group.
+  float qk_max[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) qk_max[g] = neg_inf();
+#if ASYNC_COPY
+  __shared__ uint4 ring[STAGES * UNROLL * NCHUNK * NUM_THREADS];
+  TokenStream ks{k_cache, blocks_s, start, n, kv_head, num_kv_heads, ring};
+#else
+  TokenStream ks{k_cache, blocks_s, start, n, kv_head, num_kv_heads};
+#endif
+  ks.begin();
+  for (int base = 0, step = 0; base < n; base += STEP, ++step) {  // the same trip count for every lane
+    uint4 kbuf[UNROLL][NCHUNK];
+    ks.take(kbuf, step);
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int t = base + u * TOK_PER_ITER + tok_lane;
+      float kf[NCHUNK][VEC];
+#pragma unroll
+      for (int c = 0; c < NCHUNK; ++c) unpack(kbuf[u][c], kf[c]);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float dot = 0.f;
+#pragma unroll
+        for (int c = 0; c < NCHUNK; ++c)
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) dot = fmaf(qf[g][c][e], kf[c][e], dot);
+        dot = group_sum<TPT>(dot) * scale;  // all TPT lanes of the token hold the same bits
+        if (t < n) {
+          if (d_lane == 0) logits[g][t] = dot;
+          qk_max[g] = fmaxf(qk_max[g], dot);
+        }
+      }
+    }
+  }
+
+  // V's first steps are fetched now, so they are in flight during the softmax below.
+#if ASYNC_COPY
+  TokenStream vs{v_cache, blocks_s, start, n, kv_head, num_kv_heads, ring};
+#else
+  TokenStream vs{v_cache, blocks_s, start, n, kv_head, num_kv_heads};
+#endif
+  vs.begin();
+
+  // Phase 2: max over the partition, then p = exp(logit - max) in place, and its sum.
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const float m = group_max<PR_WARP>(qk_max[g]);
+    if (lane == 0) red[warp][g] = m;
+  }
+  __syncthreads();  // logits and red visible to all
+  float gmax[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    gmax[g] = red[0][g];
+#pragma unroll
+    for (int w = 1; w < NUM_WARPS; ++w) gmax[g] = fmaxf(gmax[g], red[w][g]);
+  }
+  if (tid == 0)
+#pragma unroll
+    for (int g = 0; g < G; ++g) max_s[g] = gmax[g];
+  __syncthreads();  // everyone has read red before it is reused for the sums
+  float lsum[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) lsum[g] = 0.f;
+  for (int t = tid; t < n; t += NUM_THREADS)
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float e = expf(logits[g][t] - gmax[g]);
+      logits[g][t] = e;
+      lsum[g] += e;
+    }
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const float x = group_sum<PR_WARP>(lsum[g]);
+    if (lane == 0) red[warp][g] = x;  // red[.][g] now holds the per-warp sums until the end
+  }
+  __syncthreads();  // p and the per-warp sums visible to all
+
+  // Phase 3: acc = sum_t p_t v_t for this thread's tokens and head-dim slices.
+  float acc[G][NCHUNK][VEC];
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int c = 0; c < NCHUNK; ++c)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[g][c][e] = 0.f;
+  for (int base = 0, step = 0; base < n; base += STEP, ++step) {
+    uint4 vbuf[UNROLL][NCHUNK];
+    vs.take(vbuf, step);
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int t = base + u * TOK_PER_ITER + tok_lane;
+      if (t >= n) continue;  // never touch a slot past the context: it may hold NaN
+      float vf[NCHUNK][VEC];
+#pragma unroll
+      for (int c = 0; c < NCHUNK; ++c) unpack(vbuf[u][c], vf[c]);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float p = logits[g][t];
+#pragma unroll
+        for (int c = 0; c < NCHUNK; ++c)
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[g][c][e] = fmaf(p, vf[c][e], acc[g][c][e]);
+      }
+    }
+  }
+  // Reduce over the token lanes of the warp (lanes with the same d_lane), then across warps.
+#pragma unroll
+  for (int o = TPT; o < PR_WARP; o *= 2)
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int c = 0; c < NCHUNK; ++c)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[g][c][e] += __shfl_xor_sync(PR_FULL_MASK, acc[g][c][e], o);
+  __syncthreads();  // all reads of logits done: smem becomes the per-warp partial sums
+  if (lane < TPT)
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int c = 0; c < NCHUNK; ++c) {
+        const int d0 = (c * TPT + d_lane) * VEC;
+        if (d0 < HEAD_DIM)
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) smem[(warp * G + g) * HEAD_DIM + d0 + e] = acc[g][c][e];
+      }
+  __syncthreads();
+
+  // Write: the output itself when the context has one partition, else this partition's share.
+  for (int i = tid; i < G * HEAD_DIM; i += NUM_THREADS) {
+    const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+    float o = smem[i], l = red[0][g];
+#pragma unroll
+    for (int w = 1; w < NUM_WARPS; ++w) {
+      o += smem[w * G * HEAD_DIM + i];
+      l += red[w][g];
+    }
+    const long long row = (long long)s * num_heads + head0 + g;
+    if (num_parts == 1) out[row * HEAD_DIM + d] = from_float(o / l);
+    else tmp_out[(row * max_parts + part) * HEAD_DIM + d] = o / l;
+    if (num_parts > 1 && d == 0) {
+      max_logits[row * max_parts + part] = max_s[g];
+      exp_sums[row * max_parts + part] = l;
+    }
+  }
+}
+
+// Merge the partitions of each (sequence, head): the flash-decoding reduction. Partition weights
+// pass through shared memory REDUCE_CHUNK at a time; every sum runs over p in increasing order.
+constexpr int REDUCE_CHUNK = 1024;
+constexpr int DPT_REDUCE = (HEAD_DIM + NUM_THREADS - 1) / NUM_THREADS;  // output dims per thread
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_reduce(
+    scalar_t *__restrict__ out, const float *__restrict__ tmp_out, const float *__restrict__ max_logits,
+    const float *__restrict__ exp_sums, const int *__restrict__ context_lens, int num_heads, int max_parts) {
+  __shared__ float w_s[REDUCE_CHUNK];  // a chunk of the partitions' weights
+  __shared__ float red[NUM_WARPS];
+  const int s = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+  const int num_parts = (context_lens[s] + PARTITION_SIZE - 1) / PARTITION_SIZE;
+  if (num_parts <= 1) return;  // v2 wrote this row directly
+  const long long row = (long long)s * num_heads + h;
+  const float *ml = max_logits + row * max_parts;
+  const float *es = exp_sums + row * max_parts;
+  const float *o = tmp_out + row * max_parts * HEAD_DIM;
+  float m = neg_inf();
+  for (int p = tid; p < num_parts; p += NUM_THREADS) m = fmaxf(m, ml[p]);
+  m = group_max<PR_WARP>(m);
+  if (tid % PR_WARP == 0) red[tid / PR_WARP] = m;
+  __syncthreads();
+  m = red[0];
+  for (int w = 1; w < NUM_WARPS; ++w) m = fmaxf(m, red[w]);
+
+  float total = 0.f, acc[DPT_REDUCE];  // every thread adds the weights in the same order: same bits
+#pragma unroll
+  for (int i = 0; i < DPT_REDUCE; ++i) acc[i] = 0.f;
+  for (int p0 = 0; p0 < num_parts; p0 += REDUCE_CHUNK) {
+    const int np = min(REDUCE_CHUNK, num_parts - p0);
+    __syncthreads();  // the previous chunk's weights are consumed
+    for (int p = tid; p < np; p += NUM_THREADS) w_s[p] = es[p0 + p] * expf(ml[p0 + p] - m);
+    __syncthreads();
+    for (int p = 0; p < np; ++p) total += w_s[p];
+#pragma unroll
+    for (int i = 0; i < DPT_REDUCE; ++i) {
+      const int d = tid + i * NUM_THREADS;
+      if (d < HEAD_DIM)
+        for (int p = 0; p < np; ++p) acc[i] = fmaf(w_s[p], o[(long long)(p0 + p) * HEAD_DIM + d], acc[i]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < DPT_REDUCE; ++i) {
+    const int d = tid + i * NUM_THREADS;
+    if (d < HEAD_DIM) out[row * HEAD_DIM + d] = from_float(acc[i] / total);
+  }
+}

@@ -1,0 +1,57 @@
+"""The `cuda` attention backend: the stage 5 kernels behind the backend interface.
+
+One idea: one attention layer of one step is two launches: reshape_and_cache writes the step's new
+K/V into their slots, then the decode kernel (every sequence brings one token) or the prefill kernel
+(any mix of prompt chunks and decodes) reads each sequence's context through its block table.
+
+Invariant: the value checks that need a host sync (block ids, context lengths, slots) run once per
+step's metadata and pool size, not once per layer: every layer of a step shares one
+`AttentionMetadata`, and the shapes, dtypes and devices, which cost nothing to check, are checked
+on every call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedref import kernels
+from pagedref.backends.metadata import AttentionMetadata
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self._checked: tuple[int, int] | None = None  # (id of the metadata, num_blocks) last checked
+        self._checked_meta: AttentionMetadata | None = None  # held so its id is not reused
+
+    def _needs_check(self, meta: AttentionMetadata, num_blocks: int) -> bool:
+        key = (id(meta), num_blocks)
+        if self._checked == key and self._checked_meta is meta:
+            return False
+        self._checked, self._checked_meta = key, meta
+        return True
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, H, d], k/v [T, Hkv, d] (this step's tokens) -> [T, H, d]; writes k/v into kv_cache first."""
+        k_cache, v_cache = kv_cache
+        if meta.block_size != k_cache.shape[1]:
+            raise ValueError(f"meta.block_size = {meta.block_size} but the pool's block_size is {k_cache.shape[1]}")
+        check = self._needs_check(meta, k_cache.shape[0])
+        if check and meta.is_decode_only and meta.num_tokens != meta.num_seqs:
+            raise ValueError(f"max_query_len = 1 but {meta.num_tokens} tokens for {meta.num_seqs} sequences")
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        kernels.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, check=check)
+        if meta.is_decode_only:
+            return kernels.paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                                  max_context_len=meta.max_context_len, check=check)
+        return kernels.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                     meta.query_start_loc, scale, max_query_len=meta.max_query_len,
+                                     max_context_len=meta.max_context_len, check=check)
+
+    def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor,
+                    dst: torch.Tensor) -> None:
+        """Copy-on-write: block dst[i] becomes a copy of block src[i] in every layer."""
+        device = kv_caches[0][0].device if kv_caches else src.device
+        kernels.copy_blocks(kv_caches, src.to(device, torch.int64).contiguous(), dst.to(device, torch.int64).contiguous())

@@ -1,0 +1,274 @@
+"""Kernel benchmark: paged decode attention against torch SDPA and against the copy roofline.
+
+One idea: decode attention is a stream over the KV cache, so its yardstick is memory bandwidth.
+For each (batch, context) we time our split-K kernel reading K/V through block tables (blocks in
+random physical order), torch's scaled_dot_product_attention on the same K/V laid out contiguously
+(the fastest SDPA backend that runs), and a plain device-to-device copy, and report
+effective bandwidth = K/V bytes read / time. Prefill is reported in TFLOP/s against SDPA causal.
+
+Invariant: every timing is the median of many CUDA-event-timed repetitions after warm-up, with the
+work captured in a CUDA graph where possible (so Python launch overhead is not measured), over
+enough buffer sets that the working set exceeds 3x the L2 cache (the decode shapes here are each
+0.5-1 GB, so one set already streams from HBM); no number is asserted, only reported.
+Usage: `python -m pagedref.bench kernel [--json [PATH]] [--variants] [--reps N] [--no-prefill]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+
+import torch
+
+DECODE_SHAPES = ((64, 4096), (256, 1024), (8, 32768), (1, 131072))  # (batch, context)
+PREFILL_SHAPES = ((4, 2048), (1, 8192))  # (batch, prompt length)
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+
+
+def time_ms(fns, reps: int, warmup: int = 5, graph: bool = True) -> tuple[float, bool]:
+    """Median milliseconds of one call, rotating over `fns` (one per buffer set). -> (ms, graphed)."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    torch.cuda.synchronize()
+    calls = fns
+    if graph:
+        try:
+            graphs = []
+            for fn in fns:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    fn()
+                graphs.append(g)
+            calls = [g.replay for g in graphs]
+        except Exception:  # a capture-unfriendly path: fall back to eager launches
+            graph = False
+            torch.cuda.synchronize()
+    for fn in calls:
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        calls[i % len(calls)]()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), graph
+
+
+def num_sets(bytes_per_set: int) -> int:
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
+    return max(1, math.ceil(3 * l2 / bytes_per_set))
+
+
+def copy_bandwidth(reps: int) -> tuple[float, str]:
+    """GB/s of a 4 GiB device-to-device copy, counting bytes read plus bytes written: the best of an
+    eager cudaMemcpy (SM copy kernels) and a graph-captured one (may run on a copy engine)."""
+    n = 1 << 30  # float32 elements
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    best = {}
+    for graph in (False, True):
+        ms, graphed = time_ms([lambda: dst.copy_(src)], reps, graph=graph)
+        best["graph" if graphed else "eager"] = 2 * 4 * n / ms / 1e6
+    how = max(best, key=best.get)
+    return best[how], f"torch copy_, {how}"
+
+
+class DecodeCase:
+    """One (batch, context) decode problem: a paged pool in random block order plus its contiguous copy."""
+
+    def __init__(self, batch: int, context: int, seed: int = 0):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        blocks_per_seq = context // BLOCK_SIZE
+        num_blocks = batch * blocks_per_seq
+        shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        self.k_cache = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
+        self.v_cache = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
+        perm = torch.randperm(num_blocks, generator=gen, device="cuda")
+        self.block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)
+        self.context_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        self.q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
+        self.out = torch.empty_like(self.q)
+        self.batch, self.context = batch, context
+        self.kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * self.k_cache.element_size()
+
+    def contiguous_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V as SDPA wants them: [batch, num_kv_heads, context, head_dim]."""
+        def gather(cache):
+            g = cache[self.block_tables.long()]  # [B, blocks, BLOCK_SIZE, Hkv, D]
+            return g.reshape(self.batch, self.context, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+        return gather(self.k_cache), gather(self.v_cache)
+
+    def run(self, **kw) -> torch.Tensor:
+        from pagedref.kernels import paged_attention_decode
+
+        return paged_attention_decode(self.q, self.k_cache, self.v_cache, self.block_tables, self.context_lens,
+                                      HEAD_DIM**-0.5, max_context_len=self.context, out=self.out, check=False, **kw)
+
+
+def sdpa_variants(q, k, v, causal: bool) -> dict:
+    """{name: fn} for each SDPA backend x GQA handling (native enable_gqa, or K/V repeated) that runs here."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    group = q.shape[1] // k.shape[1]
+    repeated = None
+    found = {}
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        for gqa in ("enable_gqa", "repeat_kv"):
+            if gqa == "repeat_kv" and repeated is None:
+                repeated = (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+            args = (q, k, v) if gqa == "enable_gqa" else (q, *repeated)
+            extra = {"enable_gqa": True} if gqa == "enable_gqa" else {}
+
+            def fn(args=args, extra=extra, backend=backend):
+                with sdpa_kernel([backend]):
+                    return sdpa(*args, is_causal=causal, **extra)
+            try:
+                fn()
+                torch.cuda.synchronize()
+            except RuntimeError:
+                continue
+            found[f"{name}+{gqa}"] = fn
+    return found
+
+
+def best_sdpa(q, k, v, causal: bool, reps: int) -> dict:
+    """The fastest SDPA variant's time, every variant's time, and its output (for a cross-check)."""
+    variants = sdpa_variants(q, k, v, causal)
+    timings = {name: time_ms([fn], reps)[0] for name, fn in variants.items()}
+    best = min(timings, key=timings.get)
+    return {"backend": best, "ms": timings[best], "all_ms": timings, "out": variants[best]()}
+
+
+def bench_decode(batch: int, context: int, reps: int) -> dict:
+    from pagedref.kernels.build import CANDIDATES
+
+    first = DecodeCase(batch, context)
+    cases = [first] + [DecodeCase(batch, context, seed=i) for i in range(1, num_sets(first.kv_bytes))]
+    gb = first.kv_bytes / 1e9
+    candidates = {}
+    for name, tuning in CANDIDATES.items():
+        ms, graphed = time_ms([lambda c=c: c.run(tuning=tuning) for c in cases], reps)
+        candidates[name] = {"ms": ms, "GBps": gb / ms * 1e3, "graphed": graphed}
+    ours = first.run().clone()
+    del cases[1:]
+    k, v = first.contiguous_kv()
+    sd = best_sdpa(first.q.unsqueeze(2), k, v, causal=False, reps=reps)  # q as [B, H, 1, D]
+    err = ((ours.float() - sd["out"].squeeze(2).float()).norm() / sd["out"].float().norm()).item()
+    return {"batch": batch, "context": context, "kv_GB": gb, "buffer_sets": num_sets(first.kv_bytes),
+            "kernel_ms": candidates["default"]["ms"], "kernel_GBps": candidates["default"]["GBps"],
+            "candidates": candidates, "sdpa_backend": sd["backend"], "sdpa_ms": sd["ms"], "sdpa_all_ms": sd["all_ms"],
+            "sdpa_GBps": gb / sd["ms"] * 1e3, "rel_err_vs_sdpa": err}
+
+
+VARIANTS = (  # DecodeTuning fields (partition_size, unroll, threads_per_token, min_ctas_per_sm)
+    (512, 4, 16, 1),  # the first v2: 16 threads per token (one 16-byte load each), no occupancy hint
+    (512, 2, 8, 1),  # 8 threads per token: half the shuffles, twice the registers
+    (512, 2, 8, 4),  # = the default: the same, capped at 128 registers for 4 CTAs per SM
+)
+
+
+def bench_variants(reps: int) -> list[dict]:
+    """The design space at (64, 4096): partition size, pipeline depth, threads per token, and v1."""
+    from pagedref.kernels.build import DecodeTuning
+
+    case = DecodeCase(64, 4096)
+    rows = []
+    for fields in VARIANTS:
+        tuning = DecodeTuning(*fields)
+        ms, _ = time_ms([lambda: case.run(tuning=tuning)], reps)
+        rows.append({"variant": "v2 partition={} unroll={} tpt={} min_ctas={}".format(*fields),
+                     "ms": ms, "GBps": case.kv_bytes / ms / 1e6})
+    ms, _ = time_ms([lambda: case.run(version=1)], max(3, reps // 10), warmup=1)
+    rows.append({"variant": "v1 (one CTA per sequence and head)", "ms": ms, "GBps": case.kv_bytes / ms / 1e6})
+    return rows
+
+
+def bench_prefill(batch: int, length: int, reps: int) -> dict:
+    from pagedref.kernels import paged_prefill
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    case = DecodeCase(batch, length)
+    q = torch.randn(batch * length, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
+    qsl = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+
+    def ours():
+        paged_prefill(q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, qsl, HEAD_DIM**-0.5,
+                      max_query_len=length, max_context_len=length, out=out, check=False)
+    ms, _ = time_ms([ours], reps, warmup=2)
+    k, v = case.contiguous_kv()
+    qs = q.view(batch, length, NUM_HEADS, HEAD_DIM).transpose(1, 2)
+    sd = best_sdpa(qs, k, v, causal=True, reps=reps)
+    err = ((out.view(batch, length, NUM_HEADS, HEAD_DIM).transpose(1, 2).float() - sd["out"].float()).norm()
+           / sd["out"].float().norm()).item()
+    flops = 4 * batch * NUM_HEADS * HEAD_DIM * length * (length + 1) / 2  # causal: QK and PV, 2 flop/FMA
+    return {"batch": batch, "length": length, "kernel_ms": ms, "kernel_TFLOPs": flops / ms / 1e9,
+            "sdpa_backend": sd["backend"], "sdpa_ms": sd["ms"], "sdpa_TFLOPs": flops / sd["ms"] / 1e9,
+            "rel_err_vs_sdpa": err}
+
+
+def print_table(res: dict) -> None:
+    print(f"\n{res['gpu']}, {res['date']}, torch {res['torch']}, cupy {res['cupy']}")
+    print(f"device-to-device copy: {res['copy_GBps']:.0f} GB/s (read + written; {res['copy_method']})")
+    print(f"decode bf16, {NUM_HEADS} q / {NUM_KV_HEADS} kv heads, head_dim {HEAD_DIM}, block {BLOCK_SIZE}; "
+          "GB/s = KV bytes read / time")
+    print(f"{'batch':>5} {'context':>7} {'KV GB':>6} | {'ours us':>8} {'GB/s':>6} | {'SDPA us':>8} {'GB/s':>6} "
+          f"{'backend':<22} | {'/SDPA':>6} {'/copy':>6} | {'err':>7}")
+    for r in res["decode"]:
+        print(f"{r['batch']:>5} {r['context']:>7} {r['kv_GB']:>6.2f} | {r['kernel_ms'] * 1e3:>8.1f} "
+              f"{r['kernel_GBps']:>6.0f} | {r['sdpa_ms'] * 1e3:>8.1f} {r['sdpa_GBps']:>6.0f} {r['sdpa_backend']:<22} | "
+              f"{r['kernel_GBps'] / r['sdpa_GBps']:>6.1%} {r['kernel_GBps'] / res['copy_GBps']:>6.1%} | "
+              f"{r['rel_err_vs_sdpa']:>7.1e}")
+    for name in res["decode"][0]["candidates"]:
+        cells = " ".join(f"{r['candidates'][name]['GBps']:>5.0f} ({r['candidates'][name]['GBps'] / r['sdpa_GBps']:>4.0%})"
+                         for r in res["decode"])
+        print(f"  candidate {name:<22} GB/s (vs SDPA) per shape: {cells}")
+    for r in res.get("variants", []):
+        print(f"  (64, 4096) {r['variant']:<64} {r['ms'] * 1e3:>9.1f} us {r['GBps']:>6.0f} GB/s")
+    if res.get("prefill"):
+        print(f"prefill bf16 causal, same heads: TFLOP/s = 4 * B * H * d * L(L+1)/2 / time")
+        for r in res["prefill"]:
+            print(f"  batch {r['batch']} x {r['length']}: ours {r['kernel_ms']:.2f} ms {r['kernel_TFLOPs']:.1f} TFLOP/s | "
+                  f"SDPA {r['sdpa_backend']} {r['sdpa_ms']:.2f} ms {r['sdpa_TFLOPs']:.1f} TFLOP/s | "
+                  f"{r['kernel_TFLOPs'] / r['sdpa_TFLOPs']:.1%} | err {r['rel_err_vs_sdpa']:.1e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pagedref.bench kernel", description=__doc__.split("\n")[0])
+    ap.add_argument("--json", nargs="?", const="-", help="also write the results as JSON (to PATH, or stdout)")
+    ap.add_argument("--reps", type=int, default=50, help="timed repetitions per measurement (median reported)")
+    ap.add_argument("--variants", action="store_true", help="also time partition sizes, unrolls and v1 at (64, 4096)")
+    ap.add_argument("--no-prefill", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the kernel benchmark needs a CUDA GPU", file=sys.stderr)
+        return 1
+    import cupy
+
+    res = {"command": "python -m pagedref.bench kernel " + " ".join(argv or []),
+           "gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
+           "torch": torch.__version__, "cupy": cupy.__version__}
+    res["copy_GBps"], res["copy_method"] = copy_bandwidth(args.reps)
+    res["decode"] = [bench_decode(b, c, args.reps) for b, c in DECODE_SHAPES]
+    if args.variants:
+        res["variants"] = bench_variants(args.reps)
+    if not args.no_prefill:
+        res["prefill"] = [bench_prefill(b, n, max(5, args.reps // 5)) for b, n in PREFILL_SHAPES]
+    if args.json:
+        text = json.dumps(res, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text)
+    print_table(res)
+    return 0

@@ -1,0 +1,122 @@
+"""Kernel sources and their compiled modules: one compile per (file, compile-time parameters).
+
+One idea: the CUDA sources in `cuda/` are specialised with -D macros (dtype, head_dim, block_size,
+heads per CTA, partition size) and compiled at run time by CuPy's NVRTC; each distinct
+`KernelConfig` is compiled once per process (and CuPy keeps the binary in its on-disk cache).
+
+Invariant: the options a config produces are the same for NVRTC here and for nvcc in CI
+(`nvcc_command`), so a kernel that CI compiled is the kernel that runs. `print_ci_configs()`
+lists the configs CI compiles, one line each, for `.ci/compile_kernels.sh`.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedref.kernels.splitk import (PARTITION_SIZE, SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS, min_ctas_per_sm,
+                                     threads_per_token)
+
+CUDA_DIR = Path(os.environ.get("PAGEDREF_CUDA_DIR", Path(__file__).resolve().parents[2] / "cuda"))
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+ELEM_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    file: str  # a file of cuda/
+    defines: tuple[tuple[str, int], ...] = ()
+
+    def options(self) -> tuple[str, ...]:
+        return ("-std=c++17", f"-I{CUDA_DIR}", *(f"-D{k}={v}" for k, v in self.defines))
+
+    @property
+    def source(self) -> Path:
+        return CUDA_DIR / self.file
+
+
+@dataclass(frozen=True)
+class DecodeTuning:
+    """The decode kernel's fixed design constants. Benchmarks vary them; nothing else may: a
+    partition size chosen from the batch would make results depend on the batch. Only
+    partition_size and threads_per_token change the arithmetic (and so the bits); the others
+    change only how the same operations are scheduled."""
+
+    partition_size: int = PARTITION_SIZE
+    unroll: int = 2  # tokens per software-pipeline step per thread
+    threads_per_token: int | None = None  # None: splitk.threads_per_token's rule
+    min_ctas_per_sm: int | None = None  # __launch_bounds__ occupancy hint; None: splitk.min_ctas_per_sm
+    async_copy: bool = False  # stage K/V through a cp.async ring in shared memory instead of registers
+    stages: int = 4  # depth of that ring
+
+
+def decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta: int,
+                  tuning: DecodeTuning = DecodeTuning()) -> KernelConfig:
+    tpt = tuning.threads_per_token or threads_per_token(head_dim, ELEM_SIZE[dtype], heads_per_cta)
+    min_ctas = tuning.min_ctas_per_sm or min_ctas_per_sm(ELEM_SIZE[dtype], heads_per_cta)
+    return KernelConfig("paged_attention.cu", (
+        ("PR_DTYPE", DTYPE_CODES[dtype]), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),
+        ("HEADS_PER_CTA", heads_per_cta), ("PARTITION_SIZE", tuning.partition_size), ("UNROLL", tuning.unroll),
+        ("THREADS_PER_TOKEN", tpt), ("MIN_CTAS_PER_SM", min_ctas), ("ASYNC_COPY", int(tuning.async_copy)),
+        ("STAGES", tuning.stages)))
+
+
+# Candidate tunings the benchmark times at every shape and the GPU tests check (16-bit K/V, head_dim
+# 128: the cp.async rings of a float32 build can exceed 48 KB of static shared memory). Default first.
+CANDIDATES = {
+    "default": DecodeTuning(),
+    "registers p1024": DecodeTuning(partition_size=1024),
+    "async u2 tpt16": DecodeTuning(unroll=2, threads_per_token=16, min_ctas_per_sm=6, async_copy=True),
+    "async u4 tpt16": DecodeTuning(unroll=4, threads_per_token=16, min_ctas_per_sm=5, async_copy=True),
+    "async u1 tpt8": DecodeTuning(unroll=1, threads_per_token=8, min_ctas_per_sm=5, async_copy=True),
+    "async u2 tpt16 p1024": DecodeTuning(partition_size=1024, unroll=2, threads_per_token=16, min_ctas_per_sm=6,
+                                         async_copy=True),
+    "async u1 tpt8 p1024": DecodeTuning(partition_size=1024, unroll=1, threads_per_token=8, min_ctas_per_sm=4,
+                                        async_copy=True),
+}
+
+
+def prefill_config(dtype: str, head_dim: int, block_size: int) -> KernelConfig:
+    return KernelConfig("paged_prefill.cu", (
+        ("PR_DTYPE", DTYPE_CODES[dtype]), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size)))
+
+
+CACHE_OPS = KernelConfig("cache_ops.cu")
+
+
+def ci_configs() -> list[KernelConfig]:
+    """What CI compiles: every dtype x head_dim x block_size, plus every heads-per-CTA at bf16/128/16."""
+    grid = itertools.product(DTYPE_CODES, SUPPORTED_HEAD_DIMS, SUPPORTED_BLOCK_SIZES)
+    configs = [CACHE_OPS]
+    for dtype, head_dim, block_size in grid:
+        configs += [decode_config(dtype, head_dim, block_size, 4), prefill_config(dtype, head_dim, block_size)]
+    configs += [decode_config("bfloat16", 128, 16, g) for g in (1, 2, 3, 5, 6, 7, 8)]
+    configs += [decode_config(dtype, 128, 16, 4, t) for dtype in ("float16", "bfloat16") for t in CANDIDATES.values()]
+    return list(dict.fromkeys(configs))  # each once, in order
+
+
+def nvcc_command(config: KernelConfig, output: Path | str, arch: str = "sm_90") -> list[str]:
+    return ["nvcc", f"-arch={arch}", "--ptx", *config.options(), str(config.source), "-o", str(output)]
+
+
+@functools.lru_cache(maxsize=None)
+def module(config: KernelConfig):
+    """The compiled cupy.RawModule of a config (compiled on first use, then cached)."""
+    import cupy
+
+    return cupy.RawModule(code=config.source.read_text(), options=config.options())
+
+
+@functools.lru_cache(maxsize=None)
+def function(config: KernelConfig, name: str):
+    return module(config).get_function(name)
+
+
+def print_ci_configs() -> None:
+    """One line per CI configuration: FILE -DNAME=VALUE ... (read by .ci/compile_kernels.sh)."""
+    for cfg in ci_configs():
+        sys.stdout.write(" ".join((cfg.file, *cfg.options()[2:])) + "\n")

@@ -1,0 +1,178 @@
+"""Launching the CUDA kernels on torch tensors: check, pick the compiled variant, launch, return.
+
+One idea: the kernels read and write torch's own memory. A launcher passes each tensor's device
+pointer (zero-copy: nothing is converted or moved; a raw pointer also sidesteps CuPy having no
+bfloat16 dtype) and launches on torch's current stream, so the kernel is ordered with the torch
+work around it exactly as a torch op would be.
+
+Invariant: no launch happens before its arguments passed `validate` (shapes, dtypes, devices,
+contiguity always; the value ranges, one host sync, unless the caller already checked them and
+passes check=False). The decode grid depends on max_context_len only through the number of
+partitions, never the partition size, so a sequence's result does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from pagedref.kernels import build, validate
+from pagedref.kernels.splitk import NUM_THREADS, PREFILL_ROWS, heads_per_cta, num_partitions
+
+_STATIC_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
+_MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
+
+
+def _ptr(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+@functools.lru_cache(maxsize=None)
+def _external_stream(ptr: int, device: int):
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return cupy.cuda.ExternalStream(ptr)
+
+
+def _launch(config: build.KernelConfig, name: str, device: torch.device, grid: tuple, args: tuple,
+            shared_mem: int = 0) -> None:
+    """Launch `name` of `config` on torch's current stream of `device`."""
+    import cupy
+
+    kernel = build.function(config, name)
+    if shared_mem > _STATIC_SMEM_LIMIT and kernel.max_dynamic_shared_size_bytes < shared_mem:
+        kernel.max_dynamic_shared_size_bytes = shared_mem
+    stream = _external_stream(torch.cuda.current_stream(device).cuda_stream, device.index)
+    with cupy.cuda.Device(device.index), stream:
+        kernel(grid, (NUM_THREADS,), args, shared_mem=shared_mem)
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return validate.DTYPE_NAMES[t.dtype]
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                           max_context_len: int | None = None, out: torch.Tensor | None = None,
+                           version: int = 2, tuning: build.DecodeTuning = build.DecodeTuning(),
+                           check: bool = True) -> torch.Tensor:
+    """Decode attention: row s of q is sequence s's one new token -> [num_seqs, num_heads, head_dim].
+
+    q [num_seqs, num_heads, head_dim]; k/v_cache [num_blocks, block_size, num_kv_heads, head_dim];
+    block_tables [num_seqs, max_blocks] int32; context_lens [num_seqs] int32.
+    version 1 is the textbook kernel, 2 the split-K one. `tuning` holds the kernel's fixed design
+    constants, exposed for benchmark experiments only: they must never be chosen from the batch.
+    """
+    shape = validate.check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
+    if q.shape[0] != shape.num_seqs:
+        raise ValueError(f"decode takes one query row per sequence: q has {q.shape[0]} rows for {shape.num_seqs} sequences")
+    if version not in (1, 2):
+        raise ValueError(f"version must be 1 or 2, got {version}")
+    validate.require_cuda(q, "q")
+    if max_context_len is None:
+        max_context_len = int(context_lens.max()) if shape.num_seqs else 0
+    if check:
+        validate.check_ranges(shape, block_tables, context_lens, max_context_len)
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        validate.check_out(out, q)
+    if shape.num_seqs == 0:
+        return out
+    max_parts = num_partitions(max_context_len, tuning.partition_size)
+    if max_parts > _MAX_GRID_YZ:
+        raise ValueError(f"max_context_len = {max_context_len} needs {max_parts} partitions; at most "
+                         f"{_MAX_GRID_YZ} are supported")
+    if shape.num_seqs > _MAX_GRID_YZ:
+        raise ValueError(f"{shape.num_seqs} sequences in one decode launch; at most {_MAX_GRID_YZ} are supported")
+    hpc = heads_per_cta(shape.num_heads, shape.num_kv_heads) if version == 2 else 1
+    config = build.decode_config(_dtype_name(q), shape.head_dim, shape.block_size, hpc, tuning)
+    common = (_ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(context_lens), np.int32(shape.max_blocks),
+              np.int32(shape.num_heads), np.int32(shape.num_kv_heads))
+    if version == 1:
+        _launch(config, "paged_attention_v1", q.device, (shape.num_seqs, shape.num_heads),
+                (_ptr(out), _ptr(q), *common, np.float32(scale)))
+        return out
+    f32 = dict(dtype=torch.float32, device=q.device)
+    tmp_out = torch.empty((shape.num_seqs, shape.num_heads, max_parts, shape.head_dim), **f32)
+    max_logits = torch.empty((shape.num_seqs, shape.num_heads, max_parts), **f32)
+    exp_sums = torch.empty_like(max_logits)
+    _launch(config, "paged_attention_v2", q.device, (shape.num_heads // hpc, max_parts, shape.num_seqs),
+            (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(q), *common,
+             np.int32(max_parts), np.float32(scale)))
+    if max_parts > 1:
+        _launch(config, "paged_attention_reduce", q.device, (shape.num_seqs, shape.num_heads),
+                (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(context_lens),
+                 np.int32(shape.num_heads), np.int32(max_parts)))
+    return out
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
+                  max_query_len: int | None = None, max_context_len: int | None = None,
+                  out: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
+    """Prefill / chunked prefill: each sequence's query rows attend causally to its context.
+
+    q [num_tokens, num_heads, head_dim]; query_start_loc [num_seqs + 1] int32; the rows of sequence
+    s are its last query_len context tokens (their K/V already written) -> [num_tokens, num_heads, head_dim].
+    """
+    shape = validate.check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
+    validate.check_query_start_loc(query_start_loc, shape.num_seqs, q.device)
+    validate.require_cuda(q, "q")
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if shape.num_seqs else 0
+    if max_context_len is None:
+        max_context_len = int(context_lens.max()) if shape.num_seqs else 0
+    if check:
+        validate.check_ranges(shape, block_tables, context_lens, max_context_len, query_start_loc,
+                              q.shape[0], max_query_len)
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        validate.check_out(out, q)
+    if shape.num_seqs == 0 or q.shape[0] == 0:
+        return out
+    if max_query_len > _MAX_GRID_YZ * PREFILL_ROWS:
+        raise ValueError(f"max_query_len = {max_query_len} is above the {_MAX_GRID_YZ * PREFILL_ROWS} one launch covers")
+    config = build.prefill_config(_dtype_name(q), shape.head_dim, shape.block_size)
+    smem = 4 * (PREFILL_ROWS * shape.head_dim + 32 * (shape.head_dim + 4))
+    grid = (shape.num_seqs, shape.num_heads, -(-max_query_len // PREFILL_ROWS))
+    _launch(config, "paged_prefill", q.device, grid,
+            (_ptr(out), _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(context_lens),
+             _ptr(query_start_loc), np.int32(shape.max_blocks), np.int32(shape.num_heads),
+             np.int32(shape.num_kv_heads), np.float32(scale)), shared_mem=smem)
+    return out
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, *, check: bool = True) -> None:
+    """Write new K/V rows [num_tokens, num_kv_heads, head_dim] into their slots of the pool."""
+    validate.check_cache_write(key, value, k_cache, v_cache, slot_mapping, check_slots=check)
+    validate.require_cuda(k_cache, "k_cache")
+    if key.shape[0] == 0:
+        return
+    row_words = key[0].numel() * key.element_size() // 16
+    _launch(build.CACHE_OPS, "reshape_and_cache", k_cache.device, (key.shape[0],),
+            (_ptr(key), _ptr(value), _ptr(k_cache), _ptr(v_cache), _ptr(slot_mapping), np.int32(row_words)))
+
+
+def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor, dst: torch.Tensor, *,
+                check: bool = True) -> None:
+    """Copy-on-write: in every layer's pool, block dst[i] becomes a copy of block src[i]."""
+    validate.check_block_copies(kv_caches, src, dst, check_ids=check)
+    device = kv_caches[0][0].device
+    validate.require_cuda(kv_caches[0][0], "kv_caches")
+    if src.shape[0] == 0:
+        return
+    if src.shape[0] > _MAX_GRID_YZ:
+        raise ValueError(f"{src.shape[0]} block copies in one call; at most {_MAX_GRID_YZ} are supported")
+    k0 = kv_caches[0][0]
+    block_words = k0[0].numel() * k0.element_size() // 16
+    key_ptrs = torch.tensor([k.data_ptr() for k, _ in kv_caches], dtype=torch.int64).to(device)
+    value_ptrs = torch.tensor([v.data_ptr() for _, v in kv_caches], dtype=torch.int64).to(device)
+    mapping = torch.stack([src, dst], dim=1).contiguous()  # [num_pairs, 2]
+    _launch(build.CACHE_OPS, "copy_blocks", device, (len(kv_caches), src.shape[0]),
+            (_ptr(key_ptrs), _ptr(value_ptrs), _ptr(mapping), np.int32(block_words)))

@@ -1,0 +1,79 @@
+"""A small run of every kernel with its answer checked: the driver compute-sanitizer runs.
+
+One idea: memcheck and racecheck slow a program down a hundredfold, so they get one launch of each
+kernel on small sizes that still reach every code path (several partitions and a partial one, a
+partial prefill tile, GQA, each dtype, v1 and v2, both pool writes) and nothing else.
+
+Invariant: exits non-zero if any result is wrong, so a clean sanitizer report over a failing run
+cannot pass for success. Usage: `python -m pagedref.kernels.selfcheck`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from pagedref import kernels
+from pagedref.kernels import testing
+
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def run_prefill(p: testing.PagedProblem, **kw) -> torch.Tensor:
+    return kernels.paged_prefill(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.query_start_loc,
+                                 p.scale, **kw)
+
+
+def run_decode(p: testing.PagedProblem, **kw) -> torch.Tensor:
+    return kernels.paged_attention_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale, **kw)
+
+
+def check_attention() -> list[str]:
+    failures = []
+    for dtype, head_dim, block_size in ((torch.float32, 64, 16), (torch.float16, 8, 8), (torch.bfloat16, 128, 32)):
+        kw = dict(num_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=dtype)
+        pre = testing.make_problem([1, 530, 1100], [1, 5, 20], **kw)  # partial tiles, several key tiles
+        dec = testing.make_problem([1, 530, 1100], **kw)  # 1, 2 and 3 partitions, two of them partial
+        runs = [("prefill", pre, lambda: run_prefill(pre)),
+                ("decode v1", dec, lambda: run_decode(dec, version=1)),
+                ("decode v2", dec, lambda: run_decode(dec, version=2))]
+        if dtype != torch.float32:
+            from pagedref.kernels.build import CANDIDATES
+
+            runs += [(f"decode {name}", dec, lambda t=t: run_decode(dec, tuning=t)) for name, t in CANDIDATES.items()]
+        for name, p, run in runs:
+            err = testing.max_rel_err(run(), testing.oracle(p), p)
+            if not err <= TOL[dtype]:
+                failures.append(f"{name} {dtype} head_dim={head_dim}: norm-relative error {err:.2e}")
+    return failures
+
+
+def check_cache_ops() -> list[str]:
+    failures = []
+    pools = [(torch.randn(6, 16, 2, 8, device="cuda"), torch.randn(6, 16, 2, 8, device="cuda")) for _ in range(2)]
+    expect = [(k.clone(), v.clone()) for k, v in pools]
+    key, value = torch.randn(3, 2, 8, device="cuda"), torch.randn(3, 2, 8, device="cuda")
+    slots = torch.tensor([5, 17, 90], device="cuda")
+    kernels.reshape_and_cache(key, value, *pools[0], slots)
+    expect[0][0].view(-1, 2, 8)[slots], expect[0][1].view(-1, 2, 8)[slots] = key, value
+    src, dst = torch.tensor([0, 3], device="cuda"), torch.tensor([4, 1], device="cuda")
+    kernels.copy_blocks(pools, src, dst)
+    for k, v in expect:
+        k[dst], v[dst] = k[src], v[src]
+    if not all(testing.same_bits(a, b) for pa, pb in zip(pools, expect) for a, b in zip(pa, pb)):
+        failures.append("reshape_and_cache / copy_blocks: pool differs from the expected copy")
+    return failures
+
+
+def main() -> int:
+    failures = check_attention() + check_cache_ops()
+    torch.cuda.synchronize()
+    for f in failures:
+        print("FAIL", f)
+    print("selfcheck:", "ok" if not failures else f"{len(failures)} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Split-K ("flash-decoding") arithmetic: cut a context into fixed partitions, softmax each, merge.
+
+One idea: attention over a long context can be computed partition by partition. Partition p gives
+its largest logit m_p, its exp-sum l_p = sum(exp(s - m_p)) and its own normalized output o_p; then
+with M = max_p m_p and w_p = l_p * exp(m_p - M),  out = sum_p w_p * o_p / sum_p w_p  is exactly the
+softmax attention over the whole context in real arithmetic. The decode kernel's CTAs each compute
+one partition in parallel, and a small reduce kernel merges them.
+
+Invariant: partitions are the fixed spans [p*P, (p+1)*P) of a sequence's own token positions, with
+P = PARTITION_SIZE a constant never derived from the batch, so the arithmetic a sequence goes
+through (and hence its bits) does not depend on what else is in the batch or where its blocks live.
+
+This module holds the launch arithmetic the kernels share with Python (partition counts, how many
+query heads one CTA serves) and a numpy model of split-K that the stage 5 lesson checks against
+the oracle. It needs neither a GPU nor cupy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagedref.attention import attend_row, compute_dtype
+
+PARTITION_SIZE = 512  # tokens per split-K partition: fixed, so results are batch-invariant
+NUM_THREADS = 128  # threads per CTA of every attention kernel
+MAX_HEADS_PER_CTA = 8  # query heads of one GQA group served by one decode CTA (register budget)
+PREFILL_ROWS = 16  # query rows per prefill CTA (4 warps x 4 rows)
+SUPPORTED_HEAD_DIMS = (8, 16, 32, 64, 80, 96, 128, 256)
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+
+
+def num_partitions(context_len: int, partition_size: int = PARTITION_SIZE) -> int:
+    """Partitions covering `context_len` tokens (the last one may be partial)."""
+    if partition_size <= 0:
+        raise ValueError(f"partition_size must be positive, got {partition_size}")
+    if context_len < 0:
+        raise ValueError(f"context_len must be >= 0, got {context_len}")
+    return -(-context_len // partition_size)
+
+
+def partition_bounds(context_len: int, partition_size: int = PARTITION_SIZE) -> list[tuple[int, int]]:
+    """[(start, end), ...] token spans of each partition of a context."""
+    return [(p * partition_size, min((p + 1) * partition_size, context_len))
+            for p in range(num_partitions(context_len, partition_size))]
+
+
+def heads_per_cta(num_heads: int, num_kv_heads: int) -> int:
+    """Query heads one decode CTA serves: the largest divisor of the GQA group size up to 8.
+
+    All of them read the same KV head, so K/V are loaded once for the whole group; the cap keeps the
+    per-thread query slices and accumulators in registers.
+    """
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    group = num_heads // num_kv_heads
+    return max(g for g in range(1, MAX_HEADS_PER_CTA + 1) if group % g == 0)
+
+
+def elements_per_thread(heads: int) -> int:
+    """Elements of a token's K/V row each decode thread holds: 16, or 8 when a CTA serves more than
+    4 query heads (its query slices and accumulators, heads x elements floats, must stay in registers)."""
+    return 16 if heads <= 4 else 8
+
+
+def threads_per_token(head_dim: int, elem_size: int, heads: int) -> int:
+    """Threads of a decode CTA that share one token's K/V row (a power of two, at most 32).
+
+    Fewer threads per token means fewer shuffles to add each dot product up (the instruction cost
+    that limited the kernel on an H200), more elements and registers per thread.
+    """
+    want = max(1, head_dim // elements_per_thread(heads))
+    return min(32, 1 << (want - 1).bit_length())
+
+
+def min_ctas_per_sm(elem_size: int, heads: int) -> int:
+    """The occupancy hint for the decode kernel: 4 CTAs per SM (at most 128 registers a thread) for
+    16-bit K/V, where that costs no spills; no hint for float32."""
+    return 4 if elem_size == 2 and heads * elements_per_thread(heads) <= 64 else 1
+
+
+def softmax_stats(q: np.ndarray, k: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per query head: the largest logit m and the exp-sum l = sum(exp(logit - m)) over these keys.
+
+    q: [num_heads, head_dim]; k: [n, num_kv_heads, head_dim] -> (m [num_heads], l [num_heads]).
+    """
+    num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    dt = compute_dtype(q.dtype)
+    qg = q.astype(dt).reshape(num_kv_heads, num_heads // num_kv_heads, 1, head_dim)  # [Hkv, G, 1, d]
+    logits = (qg * k.astype(dt).transpose(1, 0, 2)[:, None]).sum(-1) * dt.type(scale)  # [Hkv, G, n]
+    m = logits.max(-1)
+    l = np.exp(logits - m[..., None]).sum(-1)
+    return m.reshape(num_heads), l.reshape(num_heads)
+
+
+def merge_partials(o: np.ndarray, m: np.ndarray, l: np.ndarray) -> np.ndarray:
+    """Merge partition results: o [P, H, d] (each normalized), m [P, H], l [P, H] -> [H, d].
+
+    Each partition's softmax was taken relative to its own max m_p; rescaling its exp-sum by
+    exp(m_p - M) puts every partition on the common max M, so the weights add up correctly.
+    """
+    M = m.max(0)  # [H]
+    w = l * np.exp(m - M)  # [P, H]
+    return (w[..., None] * o).sum(0) / w.sum(0)[:, None]
+
+
+def split_k_attend_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
+                       partition_size: int = PARTITION_SIZE) -> np.ndarray:
+    """One query token's attention computed partition by partition, then merged.
+
+    q: [num_heads, head_dim]; k, v: [ctx_len, num_kv_heads, head_dim] -> [num_heads, head_dim].
+    With a single partition this IS the oracle's arithmetic (same function, same bits); with more,
+    the merge re-associates the sums, so the result agrees with the oracle only to rounding.
+    """
+    spans = partition_bounds(k.shape[0], partition_size)
+    if len(spans) == 1:
+        return attend_row(q, k, v, scale)
+    o = np.stack([attend_row(q, k[a:b], v[a:b], scale) for a, b in spans])  # [P, H, d]
+    stats = [softmax_stats(q, k[a:b], scale) for a, b in spans]
+    m = np.stack([s[0] for s in stats])  # [P, H]
+    l = np.stack([s[1] for s in stats])  # [P, H]
+    return merge_partials(o, m, l).astype(o.dtype)

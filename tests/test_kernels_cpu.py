@@ -1,0 +1,159 @@
+"""CPU checks of the kernel package: split-K arithmetic under Hypothesis, the launch-shape rules,
+the compile configurations, the argument checks and the test helpers (no GPU, no cupy needed)."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedref.attention import attend_row
+from pagedref.backends import get_backend
+from pagedref.backends.metadata import AttentionMetadata
+from pagedref.kernels import build, splitk, validate
+from pagedref.kernels import testing as T
+
+
+@settings(max_examples=40, deadline=None)
+@given(ctx=st.integers(1, 3000), partition=st.sampled_from([16, 64, 256, 512, 1024]),
+       group=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**31))
+def test_split_k_equals_attention_in_float64(ctx, partition, group, seed):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((2 * group, 8))
+    k, v = rng.standard_normal((ctx, 2, 8)), rng.standard_normal((ctx, 2, 8))
+    got = splitk.split_k_attend_row(q, k, v, 0.35, partition)
+    ref = attend_row(q, k, v, 0.35)
+    assert np.abs(got - ref).max() <= 1e-12 * max(1.0, np.abs(ref).max())
+
+
+@settings(deadline=None)
+@given(ctx=st.integers(0, 10**5), partition=st.integers(8, 4096))
+def test_partition_bounds_cover_the_context(ctx, partition):
+    spans = splitk.partition_bounds(ctx, partition)
+    assert sum(b - a for a, b in spans) == ctx and len(spans) == splitk.num_partitions(ctx, partition)
+    assert all(b - a == partition for a, b in spans[:-1])
+
+
+def test_partition_arithmetic_rejects_nonsense():
+    with pytest.raises(ValueError, match="partition_size"):
+        splitk.num_partitions(10, 0)
+    with pytest.raises(ValueError, match="context_len"):
+        splitk.num_partitions(-1)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        splitk.heads_per_cta(6, 4)
+
+
+@pytest.mark.parametrize("elem_size", [2, 4])
+@pytest.mark.parametrize("heads", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim", splitk.SUPPORTED_HEAD_DIMS)
+def test_threads_per_token_rule(head_dim, heads, elem_size):
+    tpt = splitk.threads_per_token(head_dim, elem_size, heads)
+    assert tpt & (tpt - 1) == 0 and 1 <= tpt <= 32
+    assert tpt <= max(1, head_dim * elem_size // 16) * 2  # never more threads than 16-byte slices, rounded up
+    per_thread = -(-head_dim // (tpt * (16 // elem_size))) * (16 // elem_size)
+    assert per_thread <= max(16, 16 // elem_size)  # bounded registers per thread
+    assert splitk.min_ctas_per_sm(elem_size, heads) in (1, 4)
+
+
+def test_kernel_configs_are_distinct_and_their_sources_exist():
+    configs = build.ci_configs()
+    assert len(set(configs)) == len(configs)
+    assert all(c.source.is_file() for c in configs)
+    files = {c.file for c in configs}
+    assert files == {p.name for p in build.CUDA_DIR.glob("*.cu")}  # CI compiles every kernel file
+    opts = build.decode_config("bfloat16", 128, 16, 4).options()
+    assert "-DHEAD_DIM=128" in opts and "-DPR_DTYPE=2" in opts and opts[0] == "-std=c++17"
+
+
+def test_ci_config_listing_is_what_the_compile_script_reads():
+    out = subprocess.run([sys.executable, "-c", "from pagedref.kernels.build import print_ci_configs; print_ci_configs()"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(out) == len(build.ci_configs())
+    assert all(line.split()[0].endswith(".cu") and all(w.startswith("-D") for w in line.split()[1:]) for line in out)
+
+
+def test_candidate_tunings_differ_only_in_scheduling_or_stated_arithmetic():
+    assert build.CANDIDATES["default"] == build.DecodeTuning()
+    assert all(t.partition_size % 32 == 0 for t in build.CANDIDATES.values())
+
+
+@pytest.fixture
+def p():
+    return T.make_problem([40, 5, 100], [3, 1, 10], head_dim=16, device="cpu", seed=0)
+
+
+def test_more_argument_errors(p):
+    shape = validate.check_attention_args(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens)
+    with pytest.raises(ValueError, match="max_context_len"):
+        validate.check_ranges(shape, p.block_tables, p.context_lens, 50)
+    with pytest.raises(ValueError, match="max_query_len"):
+        validate.check_ranges(shape, p.block_tables, p.context_lens, 100, p.query_start_loc, 14, 3)
+    with pytest.raises(ValueError, match="num_tokens"):
+        validate.check_ranges(shape, p.block_tables, p.context_lens, 100, p.query_start_loc, 13, 10)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        validate.check_query_start_loc(p.query_start_loc[:3], 3, p.q.device)
+    with pytest.raises(ValueError, match="out shape"):
+        validate.check_out(torch.empty(2, 4, 16), p.q)
+    with pytest.raises(ValueError, match="block_size"):
+        validate.check_cache(torch.empty(4, 12, 2, 16), torch.empty(4, 12, 2, 16))
+    with pytest.raises(ValueError, match="head_dim"):
+        validate.check_cache(torch.empty(4, 16, 2, 48), torch.empty(4, 16, 2, 48))
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        validate.check_attention_args(p.q.numpy(), p.k_cache, p.v_cache, p.block_tables, p.context_lens)
+    with pytest.raises(ValueError, match="at least one token"):
+        p.context_lens[0] = 0
+        validate.check_ranges(shape, p.block_tables, p.context_lens, 100)
+
+
+def test_decode_launcher_shape_errors_come_before_the_device_check(p):
+    from pagedref import kernels
+
+    with pytest.raises(ValueError, match="one query row per sequence"):
+        kernels.paged_attention_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
+    with pytest.raises(ValueError, match="version"):
+        kernels.paged_attention_decode(p.q[:3].contiguous(), p.k_cache, p.v_cache, p.block_tables, p.context_lens,
+                                       p.scale, version=3)
+
+
+def test_copy_blocks_arguments():
+    k = torch.randn(6, 8, 1, 16)
+    with pytest.raises(ValueError, match="non-empty"):
+        validate.check_block_copies([], torch.tensor([0]), torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"dst\[0\] = 6"):
+        validate.check_block_copies([(k, k.clone())], torch.tensor([0]), torch.tensor([6]))
+    with pytest.raises(ValueError, match="layer 0"):
+        validate.check_block_copies([(k, k.clone()), (k[:3].clone(), k[:3].clone())], torch.tensor([0]), torch.tensor([1]))
+    validate.check_block_copies([(k, k.clone())], torch.tensor([0, 1]), torch.tensor([2, 3]))
+
+
+def test_cuda_backend_builds_without_a_gpu_and_refuses_cpu_tensors(p):
+    backend = get_backend("cuda")
+    meta = AttentionMetadata(torch.arange(14), p.query_start_loc, p.context_lens, p.block_tables, 10, 100, 16)
+    kv = p.q[:, :2].contiguous()
+    with pytest.raises(ValueError, match="CUDA"):
+        backend.forward(p.q, kv, kv, (p.k_cache, p.v_cache), meta, p.scale)
+    meta.block_size = 8
+    with pytest.raises(ValueError, match="block_size"):
+        backend.forward(p.q, kv, kv, (p.k_cache, p.v_cache), meta, p.scale)
+
+
+def test_test_helpers_keep_each_sequence_readable_through_its_block_table(p):
+    for prob in (p, T.permute_blocks(p, seed=3)):
+        bt = prob.block_tables
+        for s, ctx in enumerate(prob.context_lens.tolist()):
+            rows = torch.stack([prob.k_cache[bt[s, t // 16], t % 16] for t in range(ctx)])
+            assert torch.equal(rows.double(), torch.from_numpy(prob.k_seq[s]))
+    sub = T.select(p, [2, 0])
+    ref = T.oracle(p)
+    assert np.array_equal(T.oracle(sub), np.concatenate([ref[4:14], ref[0:3]]))
+
+
+def test_bench_dispatch():
+    from pagedref.bench.__main__ import main
+
+    assert main([]) == 2 and main(["nope"]) == 2
+    if not torch.cuda.is_available():
+        assert main(["kernel"]) == 1

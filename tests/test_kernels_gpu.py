@@ -1,0 +1,154 @@
+"""GPU sweeps of the stage 5 kernels: every dtype, head_dim, block_size and GQA shape against the
+float64 oracle, chunked-prefill invariance, and the `cuda` backend end to end. Skips without a GPU."""
+
+import pytest
+import torch
+
+from pagedref import kernels
+from pagedref.backends import get_backend
+from pagedref.backends.metadata import AttentionMetadata
+from pagedref.kernels import build, gpu_available
+from pagedref.kernels import testing as T
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU and cupy")]
+
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def decode(p, **kw):
+    return kernels.paged_attention_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale, **kw)
+
+
+def prefill(p, **kw):
+    return kernels.paged_prefill(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.query_start_loc,
+                                 p.scale, **kw)
+
+
+def check(out, p, dtype):
+    assert torch.isfinite(out).all()
+    err = T.max_rel_err(out, T.oracle(p), p)
+    assert err <= TOL[dtype], err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", kernels.SUPPORTED_HEAD_DIMS)
+def test_decode_every_head_dim_and_dtype(head_dim, dtype):
+    p = T.make_problem([1, 100, 513, 1500], num_heads=8, num_kv_heads=2, head_dim=head_dim, dtype=dtype,
+                       seed=head_dim)
+    check(decode(p, out=torch.full_like(p.q, float("nan"))), p, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", kernels.SUPPORTED_HEAD_DIMS)
+def test_prefill_every_head_dim_and_dtype(head_dim, dtype):
+    p = T.make_problem([20, 150, 33], [20, 70, 1], num_heads=4, num_kv_heads=2, head_dim=head_dim, dtype=dtype,
+                       seed=head_dim + 1)
+    check(prefill(p, out=torch.full_like(p.q, float("nan"))), p, dtype)
+
+
+@pytest.mark.parametrize("block_size", kernels.SUPPORTED_BLOCK_SIZES)
+@pytest.mark.parametrize("kernel", ["decode_v1", "decode_v2", "prefill"])
+def test_every_block_size(block_size, kernel):
+    qlens = [9, 1, 40] if kernel == "prefill" else None
+    p = T.make_problem([9, 1030, 77], qlens, head_dim=64, block_size=block_size, dtype=torch.bfloat16, seed=block_size)
+    out = prefill(p) if kernel == "prefill" else decode(p, version=int(kernel[-1]))
+    check(out, p, torch.bfloat16)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (7, 1), (16, 2), (32, 2)])
+def test_grouped_query_shapes(num_heads, num_kv_heads):
+    # group sizes 1, 3, 7, 8 and 16 (two CTAs per KV head: at most 8 query heads per CTA)
+    p = T.make_problem([600, 45], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=32,
+                       dtype=torch.float16, seed=num_heads)
+    check(decode(p), p, torch.float16)
+    check(decode(p, version=1), p, torch.float16)
+
+
+@pytest.mark.parametrize("name", list(build.CANDIDATES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_candidate_tuning(name, dtype):
+    # Each tuning the benchmark times is correct; scheduling knobs (pipeline depth, cp.async or
+    # registers, occupancy hint, grid order) change no bit, only partition size and threads per
+    # token change the arithmetic.
+    tuning = build.CANDIDATES[name]
+    p = T.make_problem([1, 500, 1100, 3000], num_heads=8, num_kv_heads=2, head_dim=128, dtype=dtype, seed=17)
+    out = decode(p, tuning=tuning, out=torch.full_like(p.q, float("nan")))
+    check(out, p, dtype)
+    same_arithmetic = build.DecodeTuning(partition_size=tuning.partition_size,
+                                         threads_per_token=tuning.threads_per_token or 8)
+    assert T.same_bits(out, decode(p, tuning=same_arithmetic))
+
+
+def test_very_long_context_many_partitions():
+    p = T.make_problem([40000, 700], num_heads=8, num_kv_heads=1, head_dim=128, block_size=32,
+                       dtype=torch.bfloat16, seed=11)
+    check(decode(p), p, torch.bfloat16)
+
+
+def test_chunked_prefill_is_bitwise_the_unchunked_prefill():
+    # Key tiles start at fixed positions of the sequence, so a row's arithmetic does not depend on
+    # how the prompt was cut into chunks: chunking changes no bit on this path either.
+    whole = T.make_problem([300], [300], head_dim=64, dtype=torch.bfloat16, seed=12)
+    out = prefill(whole)
+    for cut in (1, 100, 299):
+        chunk = T.select(whole, [0])
+        chunk.q = whole.q[cut:].contiguous()
+        chunk.query_start_loc = torch.tensor([0, 300 - cut], dtype=torch.int32, device="cuda")
+        assert T.same_bits(prefill(chunk), out[cut:])
+
+
+def test_decode_and_prefill_agree_on_a_single_query_row():
+    p = T.make_problem([1500, 20], head_dim=128, dtype=torch.float32, seed=13)
+    assert T.max_rel_err(prefill(p), decode(p).double().cpu().numpy(), p) <= 1e-5
+
+
+def test_results_do_not_depend_on_the_batch_under_random_subsets():
+    gen = torch.Generator().manual_seed(14)
+    p = T.make_problem(torch.randint(1, 2500, (12,), generator=gen).tolist(), head_dim=128, num_heads=8,
+                       num_kv_heads=2, dtype=torch.bfloat16, seed=14)
+    full = decode(p)
+    for _ in range(5):
+        seqs = torch.randperm(12, generator=gen)[: int(torch.randint(1, 12, (1,), generator=gen))].tolist()
+        assert T.same_bits(decode(T.select(p, seqs)), full[torch.tensor(seqs, device="cuda")])
+
+
+def metadata(p: T.PagedProblem, slot_mapping: torch.Tensor) -> AttentionMetadata:
+    return AttentionMetadata(slot_mapping, p.query_start_loc, p.context_lens, p.block_tables, p.max_query_len,
+                             p.max_context_len, p.k_cache.shape[1])
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [5, 1, 12]])
+def test_cuda_backend_writes_then_attends(query_lens):
+    # The step's new K/V start out only in k/v: the backend must write them to their slots first.
+    p = T.make_problem([50, 300, 12], query_lens, num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16, seed=15)
+    bt, block_size = p.block_tables.cpu(), p.k_cache.shape[1]
+    slots, k_new, v_new = [], [], []
+    for s, (ctx, ql) in enumerate(zip(p.context_lens.tolist(), query_lens)):
+        for pos in range(ctx - ql, ctx):
+            slot = int(bt[s, pos // block_size]) * block_size + pos % block_size
+            slots.append(slot)
+            k_new.append(p.k_cache.view(-1, 2, 64)[slot].clone())
+            v_new.append(p.v_cache.view(-1, 2, 64)[slot].clone())
+            p.k_cache.view(-1, 2, 64)[slot] = float("nan")  # the kernel must not read the old slot
+            p.v_cache.view(-1, 2, 64)[slot] = float("nan")
+    meta = metadata(p, torch.tensor(slots, device="cuda"))
+    backend = get_backend("cuda")
+    out = backend.forward(p.q, torch.stack(k_new), torch.stack(v_new), (p.k_cache, p.v_cache), meta, p.scale)
+    check(out, p, torch.float16)
+
+
+def test_cuda_backend_copy_blocks():
+    pools = [tuple(torch.randn(5, 8, 1, 16, device="cuda", dtype=torch.bfloat16) for _ in "kv") for _ in range(2)]
+    expect = [(k.clone(), v.clone()) for k, v in pools]
+    get_backend("cuda").copy_blocks(pools, torch.tensor([2]), torch.tensor([0]))
+    for k, v in expect:
+        k[0], v[0] = k[2], v[2]
+    assert all(T.same_bits(a, b) for pa, pb in zip(pools, expect) for a, b in zip(pa, pb))
+
+
+def test_cuda_backend_refuses_a_bad_slot():
+    p = T.make_problem([10], [2], head_dim=16, seed=16)
+    meta = metadata(p, torch.tensor([3, 10**6], device="cuda"))
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\]"):
+        get_backend("cuda").forward(p.q, p.q[:, :2], p.q[:, :2], (p.k_cache, p.v_cache), meta, p.scale)
