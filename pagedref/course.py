@@ -68,8 +68,8 @@ class Stage:
     folder: str  # stages/<folder>/ holds the lesson (README.md) and its tests (test_*.py)
     title: str
     modules: tuple[str, ...]  # the lesson modules: what a learner writes in this stage
-    # Qualified names ("Scheduler.schedule") inside a module an earlier stage already lists that this
-    # stage teaches too; everything else in a shared module belongs to the first stage listing it.
+    # Qualified names ("Scheduler", "Scheduler.schedule") in a module an earlier stage already lists that
+    # this stage teaches too; everything else in a shared module belongs to the first stage listing it.
     claims: tuple[str, ...] = ()
 
     @property
@@ -98,11 +98,13 @@ STAGES: tuple[Stage, ...] = (
     Stage(2, "02_block_allocator", "The block allocator", ("pagedref.memory.block_allocator",)),
     Stage(3, "03_block_table", "Block tables and the paged KV cache", ("pagedref.memory.block_table",)),
     Stage(4, "04_sharing", "Sharing: copy-on-write and prefix caching", ("pagedref.memory.sharing",)),
-    Stage(5, "05_paged_attention_kernel", "The paged-attention kernels", ("pagedref.kernels",)),
+    Stage(5, "05_paged_attention_kernel", "The paged-attention kernels",
+          ("pagedref.kernels.splitk", "pagedref.kernels.validate", "pagedref.kernels.build", "pagedref.kernels.launch",
+           "pagedref.kernels")),
     Stage(6, "06_continuous_batching", "Continuous batching and preemption",
           ("pagedref.engine.block_manager", "pagedref.engine.scheduler")),
     Stage(7, "07_chunked_prefill", "Chunked prefill", ("pagedref.engine.scheduler",),
-          claims=("Scheduler.schedule",)),
+          claims=("Scheduler",)),  # stage 7 extends stage 6's Scheduler with the token budget
 )
 
 
@@ -120,7 +122,7 @@ def lesson_modules() -> list[str]:
 
 def teachers(module: str, qualname: str) -> list[Stage]:
     """The stages that teach `qualname` of `module`: the first stage listing the module, and every
-    later stage listing it that claims the name (stage 7 extends stage 6's Scheduler.schedule)."""
+    later stage listing it that claims the name or its class (stage 7 extends stage 6's Scheduler)."""
     listing = [s for s in STAGES if module in s.modules]
     if not listing:
         raise ValueError(f"{module} is not a lesson module of any stage")
@@ -225,13 +227,14 @@ class _Skeleton:
                 base = ".".join(parent + ([base] if base else []))
             if not base.startswith(REFERENCE):
                 return
-            if base in lessons:
-                new = [ast.ImportFrom(ours(base), node.names, 0)]
-            else:
-                mine = [a for a in node.names if f"{base}.{a.name}" in lessons]
-                theirs = [a for a in node.names if a not in mine]
-                new = ([ast.ImportFrom(base, theirs, 0)] if theirs else []) + (
-                    [ast.ImportFrom(ours(base), mine, 0)] if mine else [])
+            def is_lesson(alias: ast.alias) -> bool:  # a submodule, or a name defined in `base`
+                full = f"{base}.{alias.name}"
+                return full in lessons if module_path(full) is not None else base in lessons
+
+            mine = [a for a in node.names if is_lesson(a)]
+            theirs = [a for a in node.names if a not in mine]
+            new = ([ast.ImportFrom(base, theirs, 0)] if theirs else []) + (
+                [ast.ImportFrom(ours(base), mine, 0)] if mine else [])
             if not node.level and len(new) == 1 and new[0].module == node.module:
                 return  # an import of support code: kept as it is written
         else:
@@ -314,7 +317,8 @@ def init(dest: str | os.PathLike, force: bool = False) -> list[Path]:
     def write(path: Path, text: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-        written.append(path)
+        if path not in written:
+            written.append(path)
 
     write(dest / "__init__.py", f'"""{package}: my pagedref, written stage by stage (`pytest stages --impl {dest}`)."""\n')
     for module in lesson_modules():

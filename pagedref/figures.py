@@ -1,0 +1,297 @@
+"""The site's figures, drawn from real runs of pagedref — never by hand.
+
+One idea: each figure is a function that runs the code it illustrates (the memory benchmark, a block
+allocator with block tables, the scheduler) and draws what came out, so a figure cannot disagree with
+the code. `python -m pagedref.figures [--out docs/figures]` regenerates every one of them (PNGs, and
+beside the benchmark figures a Markdown table of their numbers); the site shows the committed files.
+
+Invariant: every number or block id in a figure comes from the run, none is typed in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from pathlib import Path
+from typing import Callable
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
+
+from pagedref.bench import memory as bench_memory  # noqa: E402
+from pagedref.engine.block_manager import BlockManager  # noqa: E402
+from pagedref.engine.sampling import SamplingParams  # noqa: E402
+from pagedref.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from pagedref.engine.sequence import Sequence, SequenceStatus  # noqa: E402
+from pagedref.memory.block_allocator import BlockAllocator  # noqa: E402
+from pagedref.memory.block_table import BlockTable  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "figures"
+SEQ_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"]
+FREE_COLOR = "#E6E6E6"
+PNG = {"dpi": 150, "metadata": {"Software": None}}  # no version stamp: regenerating changes only what changed
+
+
+def _save(fig: plt.Figure, out: Path, name: str) -> Path:
+    path = out / f"{name}.png"
+    fig.savefig(path, bbox_inches="tight", **PNG)
+    plt.close(fig)
+    return path
+
+
+# --- (a) where the KV memory goes, and (c) what sharing saves: `bench memory` ----------------------
+@functools.lru_cache(maxsize=2)
+def memory_results(quick: bool) -> dict:
+    """`python -m pagedref.bench memory --json` (seed 0); quick = its shorter traces."""
+    return bench_memory.run(seed=0, quick=quick)
+
+
+PARTS = (("token_state_fraction", "token states", "#55A868"), ("reserved_fraction", "reserved", "#8FB8DE"),
+         ("internal_fragmentation_fraction", "internal fragmentation", "#DD8452"),
+         ("external_fragmentation_fraction", "external fragmentation", "#C44E52"))
+SYSTEM_LABELS = {"contiguous": "contiguous, reserve max_model_len", "contiguous_pow2": "contiguous, pow2 of final length*",
+                 "contiguous_oracle": "contiguous, exact final length*", "paged": "paged (pagedref)"}
+
+
+def fig_kv_memory(out: Path, quick: bool) -> list[Path]:
+    res = memory_results(quick)
+    systems = [s for s in bench_memory.SYSTEMS if s in SYSTEM_LABELS]
+    workloads = list(res["workloads"])
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 0.6 * len(systems) + 1.8), sharey=True,
+                             layout="constrained")
+    for ax, name in zip(axes, workloads):
+        w = res["workloads"][name]
+        for row, system in enumerate(systems):
+            left = 0.0
+            for key, label, color in PARTS:
+                width = w[system][key]
+                ax.barh(row, width, left=left, color=color, label=label if row == 0 else None, edgecolor="white")
+                if width >= 0.06:
+                    ax.text(left + width / 2, row, f"{width:.0%}", ha="center", va="center", fontsize=8)
+                left += width
+        ax.set_yticks(range(len(systems)), [SYSTEM_LABELS[s] for s in systems])
+        ax.set_xlim(0, 1)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+        ax.set_title(f"{name}-like trace: {w['num_requests']} requests", fontsize=10)
+    axes[0].invert_yaxis()  # shared: the first system on top
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8, frameon=False)
+    b = res["kv_budget"]
+    fig.suptitle(f"Where the KV memory goes at the same budget ({b['num_slots']} token slots, max_model_len "
+                 f"{b['max_model_len']}; * needs the final length in advance)", fontsize=10)
+    table = ["| workload | system | token states | reserved | internal frag. | external frag. | max concurrent requests |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for name in workloads:
+        for system in systems:
+            m = res["workloads"][name][system]
+            table.append(f"| {name} | {SYSTEM_LABELS[system]} | " + " | ".join(f"{m[k]:.1%}" for k, _, _ in PARTS)
+                         + f" | {m['max_concurrent_requests']} |")
+    return [_save(fig, out, "kv_memory"), _table(out, "kv_memory", table, res)]
+
+
+def fig_sharing(out: Path, quick: bool) -> list[Path]:
+    sh = memory_results(quick)["sharing"]
+    kinds = (("parallel_sampling", "parallel sampling", "n"), ("beam_search", "beam search", "width"))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True, layout="constrained")
+    for ax, (key, title, knob) in zip(axes, kinds):
+        ns, saved = list(sh[key]), list(sh[key].values())
+        lo, hi = sh["paper"][key]
+        ax.axhspan(lo, hi, color="gray", alpha=0.18, label=f"paper: {lo:.1%}–{hi:.1%}")
+        bars = ax.bar([f"{knob} = {n}" for n in ns], saved, color="#4C72B0", width=0.55)
+        ax.bar_label(bars, [f"{v:.1%}" for v in saved], fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+        ax.legend(fontsize=8, loc="upper left", frameon=False)
+    axes[0].set_ylabel("KV memory saved by sharing")
+    axes[0].set_ylim(0, max(0.75, 1.15 * max(v for k, _, _ in kinds for v in sh[k].values())))
+    fig.suptitle(f"Block sharing (fork + copy-on-write), {sh['workload']}-like requests, block_size {sh['block_size']}",
+                 fontsize=10)
+    table = ["| KV memory saved | " + " | ".join(f"n or width = {n}" for n in sh["parallel_sampling"]) + " | paper |",
+             "|---|" + "---:|" * (len(sh["parallel_sampling"]) + 1)]
+    for key, title, _ in kinds:
+        lo, hi = sh["paper"][key]
+        table.append(f"| {title} | " + " | ".join(f"{v:.1%}" for v in sh[key].values()) + f" | {lo:.1%}–{hi:.1%} |")
+    return [_save(fig, out, "sharing"), _table(out, "sharing", table, memory_results(quick))]
+
+
+def _table(out: Path, name: str, rows: list[str], res: dict) -> Path:
+    """The figure's numbers as a Markdown table, for the site to include beside it."""
+    path = out / f"{name}.md"
+    note = (f"\n*`python -m pagedref.bench memory{' --quick' if res['quick'] else ''} --seed {res['seed']}`,"
+            f" drawn by `python -m pagedref.figures`.*\n")
+    path.write_text("\n".join(rows) + "\n" + note)
+    return path
+
+
+# --- (b) a block table: logical blocks -> physical blocks --------------------------------------------
+def block_table_run(num_blocks: int = 16, block_size: int = 4) -> tuple[BlockAllocator, dict[str, BlockTable], list[int]]:
+    """A small serving history on the stage 2–3 code: three prefills, decode steps, one request (X)
+    finishing — its blocks go back to the free list — and a new one arriving. Returns the allocator,
+    the live block tables and the blocks X held."""
+    allocator = BlockAllocator(num_blocks, block_size)
+    tables = {name: BlockTable(allocator) for name in ("A", "B", "X")}
+    for name, prompt_len in (("A", 7), ("X", 9), ("B", 5)):
+        tables[name].append_slots(prompt_len)  # prefill: the whole prompt at once
+    for _ in range(4):  # decode steps: one token each
+        for t in tables.values():
+            t.append_slots(1)
+    finished = tables.pop("X")
+    freed = list(finished.block_ids)
+    finished.free()  # X finishes: its blocks return to the back of the free list (taken last: LRU)
+    tables["C"] = BlockTable(allocator)
+    tables["C"].append_slots(10)
+    for _ in range(3):
+        for t in tables.values():
+            t.append_slots(1)
+    return allocator, tables, freed
+
+
+def fig_block_table(out: Path, quick: bool) -> list[Path]:
+    allocator, tables, freed = block_table_run()
+    bs, nb = allocator.block_size, allocator.num_blocks
+    colors = {name: SEQ_COLORS[i] for i, name in enumerate(tables)}
+    owner = {b: (name, i) for name, t in tables.items() for i, b in enumerate(t.block_ids)}
+    width, gap = bs + 1, 3  # a block is block_size unit cells; one cell between blocks
+    fig, ax = plt.subplots(figsize=(13, 4.8))
+    ax.set_aspect("equal")
+    ax.axis("off")
+
+    def draw_block(x: float, y: float, filled: int, color: str) -> None:
+        for s in range(bs):
+            ax.add_patch(Rectangle((x + s, y), 1, 1.4, facecolor=color if s < filled else "white", edgecolor="black", lw=0.6))
+
+    # Top row: each sequence's logical blocks, left to right; bottom row: the physical pool.
+    num_logical = sum(len(t.block_ids) for t in tables.values())
+    x = (nb * width - (num_logical * width + gap * (len(tables) - 1))) / 2
+    top, bottom = 6.0, 0.0
+    for name, t in tables.items():
+        x0 = x
+        for i, b in enumerate(t.block_ids):
+            draw_block(x, top, min(bs, t.num_tokens - i * bs), colors[name])
+            ax.text(x + bs / 2, top + 1.6, str(i), ha="center", va="bottom", fontsize=7, color="dimgray")
+            ax.annotate("", xy=(b * width + bs / 2, bottom + 1.5), xytext=(x + bs / 2, top - 0.1),
+                        arrowprops={"arrowstyle": "->", "color": colors[name], "lw": 1.0, "alpha": 0.8})
+            x += width
+        ax.text((x0 + x - 1) / 2, top + 2.5, f"seq {name}: {t.num_tokens} tokens\nblock table {t.block_ids}",
+                ha="center", va="bottom", fontsize=9)
+        x += gap
+    for b in range(nb):
+        name, i = owner.get(b, (None, None))
+        if name is None:
+            ax.add_patch(Rectangle((b * width, bottom), bs, 1.4, facecolor=FREE_COLOR, edgecolor="gray", lw=0.6))
+        else:
+            draw_block(b * width, bottom, min(bs, tables[name].num_tokens - i * bs), colors[name])
+        ax.text(b * width + bs / 2, bottom - 0.3, str(b), ha="center", va="top", fontsize=8)
+    name, t = next(iter(tables.items()))
+    pos = t.num_tokens - 1
+    ax.text(0, top + 5.6, "block tables: each sequence's logical blocks, after prefills, decode steps, and a request X"
+            f" that finished and returned blocks {freed} to the free list", fontsize=9, color="dimgray")
+    ax.text(0, bottom - 2.6, f"physical blocks of the pool (block_size={bs}; grey = free).   Token {pos} of seq {name}: "
+            f"logical block {pos // bs}, offset {pos % bs} → physical block {t.block_ids[pos // bs]} → "
+            f"slot {t.block_ids[pos // bs]} × {bs} + {pos % bs} = {t.slot(pos)}", fontsize=9, color="dimgray")
+    ax.set_xlim(-1, nb * width)
+    ax.set_ylim(bottom - 3.2, top + 6.4)
+    return [_save(fig, out, "block_table")]
+
+
+# --- (d) chunked prefill: one step's token budget, step after step --------------------------------
+# (arrival step, name, prompt tokens, tokens to generate)
+REQUESTS = ((0, "A", 6, 6), (0, "B", 5, 9), (0, "C", 4, 4), (1, "D", 70, 3), (2, "E", 12, 3))
+
+
+def chunked_prefill_run(budget: int = 32, num_steps: int = 7) -> list[list[tuple[str, int, bool]]]:
+    """The engine's Scheduler on a small trace, driven step by step as the engine drives it (without a
+    model: a sequence whose scheduled tokens complete it 'samples' a placeholder token). Returns, per
+    step, the scheduled (request, tokens, is_decode) in batch order."""
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget, enable_chunked_prefill=True),
+                          BlockManager(num_blocks=64, block_size=16, max_model_len=256, enable_prefix_caching=False))
+    names, left, steps = {}, {}, []
+    for step in range(num_steps):
+        for arrival, name, prompt_len, max_tokens in REQUESTS:
+            if arrival == step:
+                # Distinct token ids per request (the prefix cache, off here, would find nothing anyway).
+                seq = Sequence(len(names), name, list(range(1000 * len(names), 1000 * len(names) + prompt_len)),
+                               prompt_len, SamplingParams(max_tokens=max_tokens))
+                names[seq.seq_id], left[seq.seq_id] = name, max_tokens
+                scheduler.add(seq)
+        out = scheduler.schedule()
+        steps.append([(names[seq.seq_id], n, not seq.is_prefill) for seq, n in out.scheduled])
+        for seq, n in out.scheduled:  # what the engine does after the forward pass
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:  # the prompt is done: a token is sampled
+                seq.token_ids.append(0)
+                left[seq.seq_id] -= 1
+                if left[seq.seq_id] == 0:
+                    scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH_CAPPED)
+    return steps
+
+
+def fig_chunked_prefill(out: Path, quick: bool) -> list[Path]:
+    budget = 32
+    steps = chunked_prefill_run(budget)
+    colors = {name: SEQ_COLORS[i] for i, (_, name, _, _) in enumerate(REQUESTS)}
+    prompt_len = {name: p for _, name, p, _ in REQUESTS}
+    prefilled = dict.fromkeys(prompt_len, 0)
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(steps) + 1.6), layout="constrained")
+    for row, work in enumerate(steps):
+        x = 0
+        for name, n, is_decode in work:
+            if not is_decode:
+                prefilled[name] += n
+            ax.barh(row, n, left=x, color=colors[name], edgecolor="black", lw=0.6, hatch=None if is_decode else "//",
+                    alpha=1.0 if is_decode else 0.75)
+            label = name if is_decode else f"{name}: {n} ({prefilled[name]}/{prompt_len[name]})"
+            ax.text(x + n / 2, row, label, ha="center", va="center", fontsize=8,
+                    color="white" if is_decode else "black", fontweight="bold" if is_decode else None,
+                    bbox=None if is_decode else {"facecolor": "white", "alpha": 0.85, "lw": 0, "pad": 1.5})
+            x += n
+        if x < budget:
+            ax.barh(row, budget - x, left=x, color=FREE_COLOR, edgecolor="gray", lw=0.4)
+    ax.set_yticks(range(len(steps)), [f"step {i}" for i in range(len(steps))])
+    ax.invert_yaxis()
+    ax.set_xlim(0, budget)
+    ax.set_xlabel("tokens of the step (max_num_batched_tokens)")
+    arrivals = ", ".join(f"{name} ({p} prompt tokens) at step {t}" for t, name, p, _ in REQUESTS)
+    ax.set_title(f"Chunked prefill with max_num_batched_tokens={budget}: decodes first (solid), then prefill chunks "
+                 f"(hatched)\narrivals: {arrivals}; grey = unused budget", fontsize=9)
+    return [_save(fig, out, "chunked_prefill")]
+
+
+# --- the registry ------------------------------------------------------------------------------------
+FIGURES: dict[str, Callable[[Path, bool], list[Path]]] = {  # name -> draws <name>.png (and <name>.md)
+    "kv_memory": fig_kv_memory,
+    "block_table": fig_block_table,
+    "sharing": fig_sharing,
+    "chunked_prefill": fig_chunked_prefill,
+}
+
+
+def generate(out: Path = DEFAULT_OUT, only: list[str] | None = None, quick: bool = False) -> list[Path]:
+    """Draw the figures (all, or those named in `only`) into `out`; returns the files written.
+    quick: the memory benchmark's shorter traces (for tests; the committed figures use the full ones)."""
+    unknown = sorted(set(only or []) - set(FIGURES))
+    if unknown:
+        raise ValueError(f"unknown figure(s) {unknown}: choose from {sorted(FIGURES)}")
+    out.mkdir(parents=True, exist_ok=True)
+    return [path for name in (only or FIGURES) for path in FIGURES[name](out, quick)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagedref.figures", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"folder for the PNGs (default {DEFAULT_OUT})")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help=f"just these: {', '.join(FIGURES)}")
+    parser.add_argument("--quick", action="store_true", help="the memory benchmark's shorter traces (tests)")
+    args = parser.parse_args(argv)
+    try:
+        for path in generate(args.out, args.only, args.quick):
+            print(path)
+    except ValueError as e:
+        parser.error(str(e))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
