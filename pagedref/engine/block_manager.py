@@ -1,0 +1,228 @@
+"""The engine's block manager: stages 2–4 (allocator, block tables, sharing) seen through Sequences.
+
+One idea: the scheduler thinks in sequences and tokens ("can this sequence get 7 more slots?"),
+the memory layer in blocks. `BlockManager` translates, and adds the one thing the memory layer does
+not have: the CPU swap pool that preemption by swapping copies blocks into. It never touches K/V
+tensors itself: every operation returns the block copies the model runner must make before the
+step's forward (swap out, copy-on-write, swap in; in that order).
+
+`ContiguousBlockManager` is stage 1's baseline behind the same interface: each sequence reserves
+max_model_len slots (rounded up to whole blocks) at admission, first fit in one arena of the same
+KV budget, mapped onto consecutive physical blocks, so the same model runner, backends and kernels
+serve both and the serving benchmark compares only the memory policy.
+
+Invariant: a sequence in the device pool holds exactly the slots of the tokens it has computed or
+is computing in this step; a swapped sequence holds CPU blocks with the K/V of its computed tokens
+and no device block; when no sequence is left, every device and CPU block is free.
+"""
+
+from __future__ import annotations
+
+from pagedref.engine.sequence import Sequence
+from pagedref.memory.block_allocator import BlockAllocator
+from pagedref.memory.block_table import cdiv
+from pagedref.memory.contiguous import ContiguousKVCache
+from pagedref.memory.sharing import KVCacheManager
+
+
+class BlockManager:
+    """Paged KV blocks for sequences (prefix caching, forks with copy-on-write) and a CPU swap pool."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, enable_prefix_caching: bool = True,
+                 num_cpu_blocks: int = 0) -> None:
+        self.kv = KVCacheManager(num_blocks, block_size, max_model_len, enable_prefix_caching)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.cpu = BlockAllocator(num_cpu_blocks, block_size) if num_cpu_blocks > 0 else None
+        self.swapped: dict[int, list[int]] = {}  # seq_id -> its CPU blocks, in logical order
+
+    # --- admission ------------------------------------------------------------------------------
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """Tokens of a sequence without blocks that the prefix cache already holds."""
+        return self.kv.num_cached_tokens(seq.token_ids)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Could the sequence be admitted with its cached prefix plus num_new_tokens more tokens?"""
+        return self.kv.can_allocate(seq.token_ids, num_new_tokens)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Admit: reuse the cached prefix, give slots to the next num_new_tokens. Returns the cached count."""
+        num_cached, _ = self.kv.allocate(seq.seq_id, seq.token_ids, num_new_tokens)
+        return num_cached
+
+    # --- growth ---------------------------------------------------------------------------------
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.kv.can_append(seq.seq_id, num_new_tokens)
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Slots for the sequence's next num_new_tokens tokens. Returns copy-on-write (src, dst) pairs."""
+        start = self.kv.num_tokens(seq.seq_id)
+        _, copies = self.kv.append_slots(seq.seq_id, seq.token_ids[start:start + num_new_tokens])
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares all the parent's blocks (n > 1 samples, beam search)."""
+        self.kv.fork(parent.seq_id, child.seq_id)
+
+    def has_blocks(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.kv.seqs
+
+    def block_ids(self, seq: Sequence) -> list[int]:
+        return self.kv.block_ids(seq.seq_id)
+
+    def free(self, seq: Sequence) -> None:
+        """Give back everything the sequence holds, on the device or in the swap pool."""
+        if seq.seq_id in self.kv.seqs:
+            self.kv.free(seq.seq_id)
+        for block in self.swapped.pop(seq.seq_id, []):
+            self.cpu.free(block)
+
+    # --- swapping (preemption_mode="swap") -------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return self.cpu is not None and len(self.kv.block_ids(seq.seq_id)) <= self.cpu.num_free
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move the sequence's blocks to the CPU pool. Returns (device block, CPU block) copies."""
+        device_blocks = self.kv.block_ids(seq.seq_id)
+        cpu_blocks = [self.cpu.allocate() for _ in device_blocks]
+        self.kv.free(seq.seq_id)  # freed now, copied out first thing in this step: nobody writes before
+        self.swapped[seq.seq_id] = cpu_blocks
+        return list(zip(device_blocks, cpu_blocks))
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Room for the swapped tokens back on the device plus num_new_tokens more?"""
+        c = seq.num_computed_tokens
+        cached = self.kv.num_cached_tokens(seq.token_ids[:c])
+        return self.kv.can_allocate(seq.token_ids[:c], c - cached + num_new_tokens)
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring a swapped sequence back. Returns (CPU block, device block) copies. Full blocks the
+        prefix cache still holds are reused instead of copied."""
+        c = seq.num_computed_tokens
+        num_cached, _ = self.kv.allocate(seq.seq_id, seq.token_ids[:c], c - self.kv.num_cached_tokens(seq.token_ids[:c]))
+        cpu_blocks = self.swapped.pop(seq.seq_id)
+        device_blocks = self.kv.block_ids(seq.seq_id)
+        copies = [(cpu_blocks[i], device_blocks[i]) for i in range(num_cached // self.block_size, len(device_blocks))]
+        # The CPU blocks can be reused at once: swap-ins are scheduled after every swap-out of the
+        # step, and the runner copies out before it copies in.
+        for block in cpu_blocks:
+            self.cpu.free(block)
+        return copies
+
+    # --- accounting -----------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.num_free_blocks
+
+    def live_usage(self) -> tuple[float, int, int]:
+        """(share of used KV memory holding token states, used blocks, block references saved by sharing),
+        cheaply enough to measure at every step (set operations instead of per-block Python loops).
+        A shared block is either full for every holder or, right after a fork, equally filled for all."""
+        bs = self.block_size
+        full: set[int] = set()
+        partial: dict[int, int] = {}
+        refs = 0
+        for sb in self.kv.seqs.values():
+            ids, n = sb.table.block_ids, sb.table.num_tokens
+            refs += len(ids)
+            full.update(ids[:n // bs])
+            if n % bs:
+                partial[ids[n // bs]] = n % bs
+        used = self.kv.allocator.num_used
+        filled = len(full) * bs + sum(fill for block, fill in partial.items() if block not in full)
+        return (filled / (used * bs) if used else 0.0), used, refs - used
+
+    def stats(self) -> dict[str, float]:
+        s = self.kv.stats()
+        s["num_swapped_blocks"] = sum(len(b) for b in self.swapped.values())
+        return s
+
+    def all_free(self) -> bool:
+        """Nothing held: every device block is free (cached ones included) and the swap pool is empty."""
+        return self.kv.num_free_blocks == self.num_blocks and not self.kv.seqs and not self.swapped and (
+            self.cpu is None or self.cpu.num_used == 0)
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        if self.cpu is not None:
+            held = sorted(b for blocks in self.swapped.values() for b in blocks)
+            assert len(held) == len(set(held)) == self.cpu.num_used, "swap pool: held blocks != used blocks"
+
+
+class ContiguousBlockManager:
+    """Stage 1's baseline behind the BlockManager interface: a max-length reservation per sequence."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.blocks_per_seq = cdiv(max_model_len, block_size)  # reservations stay block-aligned
+        if self.blocks_per_seq > num_blocks:
+            raise ValueError(f"KV pool of {num_blocks} blocks cannot hold one reservation of max_model_len={max_model_len}")
+        self.arena = ContiguousKVCache(num_blocks * block_size, self.blocks_per_seq * block_size)
+        self.cpu = None
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        return 0  # no prefix caching: the reservation is private
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.arena.find_hole(self.arena.max_model_len) is not None
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> int:
+        self.arena.admit(seq.seq_id)
+        self.arena.append(seq.seq_id, num_tokens=num_new_tokens)
+        return 0
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        r = self.arena.reservations[seq.seq_id]
+        return r.num_tokens + num_new_tokens <= r.capacity  # always, below max_model_len: never preempts
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        self.arena.append(seq.seq_id, num_tokens=num_new_tokens)
+        return []
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        raise ValueError("kv_cache='contiguous' (the stage 1 baseline) cannot share blocks: use kv_cache='paged'")
+
+    def has_blocks(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.arena.reservations
+
+    def block_ids(self, seq: Sequence) -> list[int]:
+        r = self.arena.reservations[seq.seq_id]
+        first = r.start // self.block_size
+        return list(range(first, first + cdiv(r.num_tokens, self.block_size)))
+
+    def free(self, seq: Sequence) -> None:
+        if seq.seq_id in self.arena.reservations:
+            self.arena.release(seq.seq_id)
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return False
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.arena.usage().free // self.block_size
+
+    def live_usage(self) -> tuple[float, int, int]:
+        u = self.arena.usage()
+        return u.token_state_fraction, (u.total - u.free) // self.block_size, 0
+
+    def stats(self) -> dict[str, float]:
+        u = self.arena.usage()
+        reserved_blocks = (u.total - u.free) // self.block_size
+        return {
+            "num_blocks": self.num_blocks,
+            "num_free_blocks": self.num_blocks - reserved_blocks,
+            "num_used_blocks": reserved_blocks,
+            "num_shared_blocks": 0,
+            "num_cached_blocks": 0,
+            "token_state_fraction": u.token_state_fraction,
+            "prefix_cache_hit_rate": 0.0,
+            "num_swapped_blocks": 0,
+        }
+
+    def all_free(self) -> bool:
+        return not self.arena.reservations
+
+    def check_invariants(self) -> None:
+        u = self.arena.usage()
+        assert u.token_states + u.reserved + u.internal_fragmentation + u.free == u.total

@@ -1,0 +1,219 @@
+"""The model runner: owns the KV cache tensors and turns one scheduled step into one forward pass.
+
+One idea: everything an attention layer needs to find each token's K/V is built once per step, in
+`prepare()`, as one `AttentionMetadata` shared by every layer: the new tokens of all scheduled
+sequences concatenated ([T] input ids and positions), their slot mapping, and per sequence its query
+start offset, context length and block table. Then, in this order: swap-outs (device → CPU),
+copy-on-write copies, swap-ins (CPU → device), the forward pass, and logits only for the rows that
+sample (the last token of a sequence whose prompt is now fully computed, or its decode token).
+
+KV pool sizing (`num_kv_blocks`):
+- explicit `num_kv_blocks`: exactly that many blocks;
+- CUDA (vLLM's method): load the weights, run one profiling forward pass of max_num_batched_tokens
+  tokens, read the peak memory torch allocated, and give the KV cache what is left of
+  gpu_memory_utilization × total memory after that peak and after memory others hold on the device;
+- CPU: a byte budget (`cpu_kv_cache_bytes`), capped at what max_num_seqs sequences of max_model_len
+  could ever use.
+A pool that cannot hold one sequence of max_model_len is refused.
+
+How the CPU path is batch invariant (the numerics contract): the model applies every per-token
+operation to each token row on its own (`pagedref.models.llama.map_rows`), the reference backend
+attends each query row with the numpy oracle over exactly the keys it may see, `compute_logits` runs
+per row, and the sampler draws each row with its sequence's own generator. So a request's logits
+depend only on its own tokens: not on the batch, the chunking, the blocks' placement, the prefix
+cache or preemption. Cached and recomputed K/V are bit-identical for the same reason.
+
+Invariant: the K/V of token p of sequence s are written to slot block_ids[p // block_size] *
+block_size + p % block_size of its block table before any query row reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedref.backends.metadata import AttentionMetadata
+from pagedref.engine.sampling import SampleResult, Sampler
+from pagedref.engine.scheduler import SchedulerOutput
+from pagedref.engine.sequence import Sequence
+from pagedref.memory.block_table import cdiv
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def kv_block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block in every layer: K and V, [block_size, num_kv_heads, head_dim] each."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
+
+
+def allocate_kv_caches(config, num_blocks: int, block_size: int, dtype: torch.dtype, device, pin: bool = False):
+    """One (k_cache, v_cache) per layer, each [num_blocks, block_size, num_kv_heads, head_dim]. On the CPU
+    they start as NaN: a slot read before it was written would poison the logits, so tests would see it."""
+    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    caches = []
+    for _ in range(config.num_hidden_layers):
+        if torch.device(device).type == "cpu":
+            k, v = (torch.full(shape, float("nan"), dtype=dtype, pin_memory=pin) for _ in range(2))
+        else:
+            k, v = (torch.empty(shape, dtype=dtype, device=device) for _ in range(2))
+        caches.append((k, v))
+    return caches
+
+
+@dataclass
+class StepInput:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sample_rows: list[int]  # row of the hidden states each sampling sequence reads
+    sample_seqs: list[Sequence]
+
+
+class ModelRunner:
+    def __init__(self, model, backend, block_manager, num_blocks: int, block_size: int, device, dtype: torch.dtype,
+                 num_cpu_blocks: int = 0) -> None:
+        self.model = model
+        self.backend = backend
+        self.block_manager = block_manager
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, dtype, device)
+        pin = self.device.type == "cuda"
+        self.cpu_caches = allocate_kv_caches(model.config, num_cpu_blocks, block_size, dtype, "cpu", pin) \
+            if num_cpu_blocks else []
+        self.sampler = Sampler()
+
+    # --- one step -------------------------------------------------------------------------------
+    def prepare(self, sched: SchedulerOutput) -> StepInput:
+        """The step's inputs and its AttentionMetadata, built once for every layer."""
+        bs = self.block_size
+        ids, positions, slots, query_lens, context_lens, tables = [], [], [], [], [], []
+        sample_rows, sample_seqs = [], []
+        for seq, n in sched.scheduled:
+            start = seq.num_computed_tokens
+            pos = np.arange(start, start + n)
+            blocks = np.asarray(self.block_manager.block_ids(seq), dtype=np.int64)
+            ids.extend(seq.token_ids[start:start + n])
+            positions.append(pos)
+            slots.append(blocks[pos // bs] * bs + pos % bs)
+            query_lens.append(n)
+            context_lens.append(start + n)
+            tables.append(blocks)
+            if start + n == seq.num_tokens:  # everything known is computed: this row samples
+                sample_rows.append(sum(query_lens) - 1)
+                sample_seqs.append(seq)
+        block_tables = np.full((len(tables), max(len(t) for t in tables)), -1, dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, :len(t)] = t
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            query_start_loc=torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+            block_size=bs,
+        )
+        return StepInput(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            meta=meta, sample_rows=sample_rows, sample_seqs=sample_seqs,
+        )
+
+    def copy_blocks(self, sched: SchedulerOutput) -> None:
+        """Swap out, copy-on-write, swap in: in this order, all before the forward writes anything.
+        (A block freed by a swap-out may be this step's copy destination; a copy-on-write source may
+        have been freed and handed to a swap-in.)"""
+        if sched.blocks_to_swap_out:
+            src, dst = self._index(sched.blocks_to_swap_out)
+            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
+                ck[dst.cpu()] = k[src].cpu()
+                cv[dst.cpu()] = v[src].cpu()
+        if sched.blocks_to_copy:
+            pairs = sched.blocks_to_copy
+            # A source freed later in the step (its other holder preempted) can come back as a later
+            # copy's destination: then copy in list order, since a GPU kernel copies all pairs at once.
+            conflict = {d for _, d in pairs} & {s for s, _ in pairs}
+            for batch in ([[p] for p in pairs] if conflict else [pairs]):
+                src, dst = self._index(batch)
+                self.backend.copy_blocks(self.kv_caches, src, dst)
+        if sched.blocks_to_swap_in:
+            src, dst = self._index(sched.blocks_to_swap_in)
+            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
+                k[dst] = ck[src.cpu()].to(self.device, non_blocking=True)
+                v[dst] = cv[src.cpu()].to(self.device, non_blocking=True)
+
+    def _index(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        src, dst = zip(*pairs)
+        return (torch.tensor(src, dtype=torch.int64, device=self.device),
+                torch.tensor(dst, dtype=torch.int64, device=self.device))
+
+    @torch.no_grad()
+    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, StepInput]:
+        """Run the step. Returns the logits [num sampling sequences, vocab] (float32) and the step input."""
+        step = self.prepare(sched)
+        self.copy_blocks(sched)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.backend)  # [T, hidden]
+        rows = torch.tensor(step.sample_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[rows]) if step.sample_rows else hidden.new_empty((0, 0))
+        return logits, step
+
+    def sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
+        return self.sampler(logits, rows, seqs)
+
+    def close(self) -> None:
+        self.kv_caches, self.cpu_caches = [], []
+
+
+# --- KV pool sizing ----------------------------------------------------------------------------------
+def num_blocks_from_budget(kv_bytes: int, block_bytes: int) -> int:
+    return max(0, int(kv_bytes) // block_bytes)
+
+
+@torch.no_grad()
+def profile_num_gpu_blocks(model, backend, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
+                           max_model_len: int, gpu_memory_utilization: float, device, dtype: torch.dtype) -> int:
+    """vLLM's profiling: how many KV blocks fit in gpu_memory_utilization × the device's memory once the
+    weights and the activations of the largest step (max_num_batched_tokens tokens) are accounted for."""
+    device = torch.device(device)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    # The largest step: max_num_batched_tokens prompt tokens in sequences of at most max_model_len,
+    # in a throwaway pool just big enough for them.
+    lens, left = [], max_num_batched_tokens
+    while left > 0:
+        lens.append(min(left, max_model_len))
+        left -= lens[-1]
+    blocks_per = [cdiv(n, block_size) for n in lens]
+    caches = allocate_kv_caches(model.config, sum(blocks_per), block_size, dtype, device)
+    tables = torch.full((len(lens), max(blocks_per)), -1, dtype=torch.int32)
+    first, slots = 0, []
+    for i, (n, nb) in enumerate(zip(lens, blocks_per)):
+        tables[i, :nb] = torch.arange(first, first + nb, dtype=torch.int32)
+        slots.append(torch.arange(n) + first * block_size)
+        first += nb
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots), query_start_loc=torch.tensor([0] + lens).cumsum(0).to(torch.int32),
+        context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
+        max_query_len=max(lens), max_context_len=max(lens), block_size=block_size,
+    ).to(device)
+    total_tokens = sum(lens)
+    input_ids = torch.zeros(total_tokens, dtype=torch.int64, device=device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    hidden = model(input_ids, positions, caches, meta, backend)
+    model.compute_logits(hidden[: min(max_num_seqs, total_tokens)])  # the largest sampling batch
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    profile_cache_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in caches)
+    del caches, hidden
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    others = total - free - torch.cuda.memory_reserved(device)  # CUDA context, CuPy's pool, other processes
+    kv_bytes = total * gpu_memory_utilization - (peak - profile_cache_bytes) - others
+    return num_blocks_from_budget(kv_bytes, kv_block_bytes(model.config, block_size, dtype))

@@ -1,0 +1,177 @@
+"""Sampling: `SamplingParams` (vLLM's names and meanings) and the sampler that turns logits into tokens.
+
+One idea: a token is drawn from one row of logits using only that row, that request's parameters
+and that sequence's own `torch.Generator`, so the choice never depends on what else is in the batch.
+- greedy (temperature 0): argmax (the first maximum on ties, as llama2.c and transformers do);
+- otherwise: logits / temperature → softmax → min_p, top_k, top_p masks → one draw by the
+  "exponential race": argmax(p_i / E_i) with E_i ~ Exp(1) from the sequence's generator, which picks
+  token i with probability p_i (vLLM's sampler does the same; it needs no normalisation and no sort).
+- seed: the sequence's generator is seeded with `seed + index` (index = which of the n samples; vLLM
+  v1's rule), so a seeded request gives the same tokens alone or in any batch; unseeded sequences get
+  a seed from the engine's own random stream (`LLM(seed=...)`), so whole runs are reproducible too.
+- logprobs are of the raw model distribution (log_softmax of the logits, before temperature and
+  masks: vLLM's default), for the sampled token and, with logprobs=k, the k most likely ones.
+
+Invariant (CPU path): each row is processed on its own ([1, vocab] shapes), so a request's tokens and
+logprobs are bit-identical whatever the batch; bad parameters are refused when SamplingParams is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedref.engine.sequence import Logprob, Sequence
+
+_SAMPLING_EPS = 1e-5  # vLLM: a temperature below this is greedy
+
+
+def _check_int(name: str, value, low: int | None = None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be at least {low}, got {value}")
+
+
+def _check_number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+@dataclass
+class SamplingParams:
+    """How to generate for one prompt (vLLM's `SamplingParams`; defaults as in vLLM)."""
+
+    n: int = 1  # independent samples of the prompt; they share its KV blocks (forked after prefill)
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # keep the smallest set of most likely tokens whose probability reaches top_p
+    top_k: int = -1  # keep the k most likely tokens (-1 = all)
+    min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one's probability
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = until max_model_len
+    stop: str | list[str] | None = None  # stop strings: the text is cut before them
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # None = none; 0 = the sampled token's; k = also the k most likely
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, 1)
+        self.temperature = _check_number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        self.top_p = _check_number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k)
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
+        self.min_p = _check_number("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _check_int("max_tokens", self.max_tokens, 1, allow_none=True)
+        _check_int("seed", self.seed, allow_none=True)
+        _check_int("logprobs", self.logprobs, 0, allow_none=True)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids entry", t, 0)
+        if self.is_greedy:  # as vLLM: the masks mean nothing to an argmax
+            self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+
+@dataclass
+class BeamSearchParams:
+    """`LLM.beam_search` parameters (vLLM's `BeamSearchParams`). Beam search here is deterministic."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, 1)
+        _check_int("max_tokens", self.max_tokens, 1)
+        if _check_number("temperature", self.temperature) != 0.0:
+            raise ValueError(f"temperature must be 0 for beam search (it ranks by the model's logprobs), "
+                             f"got {self.temperature}")
+        self.length_penalty = _check_number("length_penalty", self.length_penalty)
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None = None  # of the sampled token (when logprobs were asked)
+    top_logprobs: dict[int, Logprob] = field(default_factory=dict)  # sampled + top-k
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from one row of logits [vocab] (float32)."""
+    if params.is_greedy:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / params.temperature, dim=-1)  # [vocab]
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    if params.top_k > 0 and params.top_k < probs.shape[-1]:
+        kth = torch.topk(probs, params.top_k).values[-1]
+        probs = probs.masked_fill(probs < kth, 0.0)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # probability of the more likely tokens
+        drop = mass_before >= params.top_p * sorted_probs.sum()  # already reached top_p without this one
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    race = torch.empty_like(probs).exponential_(generator=generator)  # E_i ~ Exp(1)
+    return int((probs / race).argmax())
+
+
+def row_logprobs(logits: torch.Tensor, token_id: int, k: int) -> tuple[float, dict[int, Logprob]]:
+    """(logprob of token_id, {token: Logprob} for it and the k most likely) from one row [vocab]."""
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen = lp[token_id]
+    top = {}
+    if k > 0:
+        values, ids = torch.topk(lp, min(k, lp.shape[-1]))
+        for rank, (t, v) in enumerate(zip(ids.tolist(), values.tolist()), start=1):
+            top[t] = Logprob(v, rank)
+    if token_id not in top:
+        top[token_id] = Logprob(float(chosen), int((lp > chosen).sum()) + 1)
+    return float(chosen), top
+
+
+class Sampler:
+    """Samples one token per sequence from its row of the step's logits."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
+        """logits [R, vocab] float32; seqs[i] samples from logits[rows[i]] (several sequences may share
+        a row: the n samples of a prompt, right after its prefill)."""
+        # argmax involves no arithmetic, so one batched argmax equals the per-row ones exactly, and
+        # it costs one device sync instead of one per row.
+        greedy = logits.argmax(-1).tolist() if any(s.params.is_greedy for s in seqs) else None
+        results = []
+        for row, seq in zip(rows, seqs):  # one row at a time: nothing depends on the batch
+            x = logits[row]
+            token = greedy[row] if seq.params.is_greedy else sample_row(x, seq.params, seq.generator)
+            result = SampleResult(token)
+            if seq.params.logprobs is not None:
+                result.logprob, result.top_logprobs = row_logprobs(x, token, seq.params.logprobs)
+            results.append(result)
+        return results

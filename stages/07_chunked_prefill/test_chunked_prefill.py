@@ -1,0 +1,156 @@
+"""Stage 7 — the token budget: chunked prefill mixed with decodes, one lesson step per test, in order.
+
+Steps 1–5 drive your scheduler by hand (no model; `advance()` plays the model runner). Step 6 builds
+one mixed step's attention metadata with the (given) model runner; step 7 runs the reference engine
+around your scheduler on a real model, at three budgets.
+
+Run: pytest stages -m stage7 (add --impl PKG to grade your own package).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from pagedref import LLM
+from pagedref.course import lesson
+from pagedref.engine.block_manager import BlockManager
+from pagedref.engine.model_runner import ModelRunner
+from pagedref.engine.sampling import SamplingParams
+from pagedref.engine.sequence import Sequence, SequenceStatus
+
+# Your scheduler: stage 6 built it, this stage adds the token budget. The rest is given.
+sched_mod = lesson("pagedref.engine.scheduler")
+STORIES = Path(__file__).resolve().parents[2] / ".." / "shared" / "models" / "stories260K"
+NEW_TOKEN = 7
+
+
+def make_seq(seq_id: int, prompt: list[int]) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", list(prompt), len(prompt), SamplingParams(temperature=0.0, max_tokens=100))
+
+
+def make_scheduler(budget: int, chunked: bool = True, num_blocks: int = 32, block_size: int = 4, caching: bool = False):
+    bm = BlockManager(num_blocks, block_size, max_model_len=64, enable_prefix_caching=caching)
+    return sched_mod.Scheduler(sched_mod.SchedulerConfig(8, budget, chunked, "recompute"), bm)
+
+
+def advance(out) -> list[int]:
+    """The runner's part: scheduled tokens are computed; a sequence fully computed samples. Returns who sampled."""
+    sampled = []
+    for seq, n in out.scheduled:
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(NEW_TOKEN)
+            sampled.append(seq.seq_id)
+    return sampled
+
+
+def batch(out) -> list[tuple[int, int]]:
+    return [(seq.seq_id, n) for seq, n in out.scheduled]
+
+
+def test_step1_a_long_prompt_is_split_into_chunks_of_the_budget():
+    s = make_scheduler(budget=16)
+    a = make_seq(1, list(range(40)))
+    s.add(a)
+    chunks, sampled = [], []
+    for _ in range(3):
+        out = s.schedule()
+        assert out.num_batched_tokens <= 16, "stage 7: a step never computes more than max_num_batched_tokens tokens"
+        chunks.append(batch(out))
+        sampled.append(advance(out))
+    assert chunks == [[(1, 16)], [(1, 16)], [(1, 8)]], "stage 7: 40 prompt tokens in a budget of 16: chunks 16, 16, 8"
+    assert sampled == [[], [], [1]], "stage 7: only the chunk that completes the prompt samples a token"
+
+
+def test_step2_decodes_go_first_and_a_prefill_chunk_gets_what_is_left():
+    s = make_scheduler(budget=8)
+    a, b = make_seq(1, [1, 2, 3]), make_seq(2, list(range(20)))
+    s.add(a)
+    advance(s.schedule())
+    s.add(b)
+    out = s.schedule()
+    assert batch(out) == [(1, 1), (2, 7)], \
+        "stage 7: a's decode (1 token) first, then 7 of b's 20 prompt tokens: one forward pass mixes both"
+    advance(out)
+    out = s.schedule()
+    assert batch(out) == [(1, 1), (2, 7)], "stage 7: a keeps decoding every step while b's prompt streams in"
+
+
+def test_step3_a_partly_prefilled_prompt_continues_before_new_requests_start():
+    s = make_scheduler(budget=8)
+    a, b = make_seq(1, list(range(12))), make_seq(2, [5, 6])
+    s.add(a)
+    advance(s.schedule())  # a: 8 of 12
+    s.add(b)
+    out = s.schedule()
+    assert batch(out) == [(1, 4), (2, 2)], "stage 7: a's last 4 prompt tokens first, then b fits in what is left"
+
+
+def test_step4_without_chunking_a_prompt_runs_whole_or_waits():
+    s = make_scheduler(budget=16, chunked=False)
+    a, b = make_seq(1, [1, 2, 3]), make_seq(2, list(range(16)))
+    s.add(a)
+    advance(s.schedule())
+    s.add(b)
+    out = s.schedule()
+    assert batch(out) == [(1, 1)], "stage 7: unchunked: b's 16 tokens do not fit next to a's decode: b waits whole"
+    advance(out)
+    s.finish(a, SequenceStatus.FINISHED_STOPPED)
+    assert batch(s.schedule()) == [(2, 16)], "stage 7: with the whole budget free, b's prompt runs in one step"
+
+
+def test_step5_prefix_cache_hits_skip_tokens_already_computed():
+    s = make_scheduler(budget=64, caching=True)
+    system = list(range(100, 108))  # two full blocks of 4 shared by both prompts
+    a = make_seq(1, system + [1, 2, 3])
+    s.add(a)
+    advance(s.schedule())
+    b = make_seq(2, system + [9])
+    s.add(b)
+    out = s.schedule()
+    assert b.num_computed_tokens == 8 and batch(out) == [(1, 1), (2, 1)], \
+        "stage 7: b's first 8 tokens are cached: it computes only its last token"
+    advance(out)
+    c = make_seq(3, list(system))
+    s.add(c)
+    s.schedule()
+    assert c.num_computed_tokens == 4, \
+        "stage 7: a whole-prompt hit still computes the last block: its last token's logits sample the first new token"
+
+
+def test_step6_one_step_one_metadata_for_decodes_and_chunks_together():
+    s = make_scheduler(budget=8)
+    a, b = make_seq(1, [1, 2, 3, 4, 5]), make_seq(2, list(range(20)))
+    s.add(a)
+    advance(s.schedule())
+    s.add(b)
+    out = s.schedule()  # a decodes its token 5; b prefills tokens 0..6
+    config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, head_dim=2)
+    runner = ModelRunner(SimpleNamespace(config=config), None, s.block_manager, 32, 4, "cpu", torch.float32)
+    step = runner.prepare(out)
+    m = step.meta
+    assert step.input_ids.tolist() == [NEW_TOKEN] + list(range(7)) and step.positions.tolist() == [5] + list(range(7))
+    assert m.query_start_loc.tolist() == [0, 1, 8] and m.context_lens.tolist() == [6, 7], \
+        "stage 7: per sequence its query rows (1 and 7) and its context after the step (6 and 7 tokens)"
+    a_blocks, b_blocks = s.block_manager.block_ids(a), s.block_manager.block_ids(b)
+    slot = lambda blocks, p: blocks[p // 4] * 4 + p % 4  # noqa: E731
+    assert m.slot_mapping.tolist() == [slot(a_blocks, 5)] + [slot(b_blocks, p) for p in range(7)]
+    assert m.block_tables.tolist() == [a_blocks, b_blocks], "stage 7: one block table row per sequence (-1 padded)"
+    assert step.sample_rows == [0], "stage 7: only a samples: b's chunk does not finish its prompt"
+
+
+def test_step7_on_a_real_model_every_budget_gives_the_unchunked_logits_bit_for_bit():
+    prompts = ["Once upon a time, there was a little girl named Lily.", "The little dog was sad because", "Tom"]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    whole = LLM(STORIES, max_model_len=64, num_kv_blocks=16, record_logits=True,  # the reference, unchunked
+                enable_chunked_prefill=False, max_num_batched_tokens=64)
+    want = [o.outputs[0] for o in whole.generate(prompts, params)]
+    for budget in (1, 7, 64):
+        llm = LLM(STORIES, max_model_len=64, num_kv_blocks=16, record_logits=True, max_num_batched_tokens=budget,
+                  scheduler_cls=sched_mod.Scheduler)
+        for got, ref, prompt in zip((o.outputs[0] for o in llm.generate(prompts, params)), want, prompts):
+            assert got.token_ids == ref.token_ids and torch.equal(got.logits, ref.logits), \
+                f"stage 7: budget {budget}: {prompt!r} must get the unchunked logits bit for bit"

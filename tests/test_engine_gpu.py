@@ -1,0 +1,67 @@
+"""The engine on CUDA (the stage 5 kernels): pool sizing by profiling, preemption, sharing, the baseline.
+
+The numerics checks against llama2.c and transformers run on CUDA in test_engine_models.py (its
+`cuda` parameters). On the GPU the numerics are not batch invariant (batched matrix products), so
+here outputs are compared as greedy tokens, on models whose top-2 logit gaps dwarf float32 rounding.
+Run on the device: `pytest tests -m gpu`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import read_reference, shared_model
+from pagedref import LLM, SamplingParams
+from pagedref.engine import BeamSearchParams
+from pagedref.kernels import gpu_available
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU and cupy")]
+
+MODEL = "tiny-llama3-hd64"
+CASES = read_reference(MODEL, "hf_reference.json")["cases"]
+PROMPTS = [{"prompt_token_ids": c["prompt_ids"]} for c in CASES]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=len(CASES[0]["greedy_ids"]), ignore_eos=True)
+
+
+def test_the_pool_is_sized_from_gpu_memory_utilization_after_profiling():
+    sizes = []
+    for utilization in (0.3, 0.6):
+        llm = LLM(shared_model(MODEL), device="cuda", gpu_memory_utilization=utilization, max_model_len=512)
+        sizes.append(llm.num_kv_blocks)
+        outs = llm.generate(PROMPTS[:1], GREEDY)
+        assert outs[0].outputs[0].token_ids == CASES[0]["greedy_ids"]
+        llm.close()
+    assert 1.8 * sizes[0] < sizes[1] < 2.2 * sizes[0], f"twice the memory, about twice the blocks: {sizes}"
+    free, total = torch.cuda.mem_get_info()
+    assert free > 0.5 * total, "close() must give the KV cache back"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_in_a_tiny_pool_keeps_every_request_right(mode):
+    # 512 / 16 = 32 blocks hold one sequence of max_model_len; 4 requests of up to 364 tokens need ~45.
+    llm = LLM(shared_model(MODEL), device="cuda", max_model_len=512, num_kv_blocks=34, preemption_mode=mode,
+              max_num_batched_tokens=128)
+    outs = llm.generate(PROMPTS, GREEDY)
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and (mode == "recompute" or stats["num_swap_outs"] > 0)
+    for out, case in zip(outs, CASES):
+        assert out.outputs[0].token_ids == case["greedy_ids"]
+    assert llm.llm_engine.block_manager.all_free()
+    llm.close()
+
+
+def test_parallel_sampling_beam_search_and_the_contiguous_baseline():
+    llm = LLM(shared_model("stories260K"), device="cuda", num_kv_blocks=256)
+    out = llm.generate("Once upon a time", SamplingParams(n=3, temperature=0.8, seed=0, max_tokens=20))[0]
+    assert [len(c.token_ids) for c in out.outputs] == [20, 20, 20]
+    again = llm.generate("Once upon a time", SamplingParams(n=3, temperature=0.8, seed=0, max_tokens=20))[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs], "seeded: reproducible"
+    beams = llm.beam_search(["Lily and Tom"], BeamSearchParams(beam_width=3, max_tokens=6))[0].sequences
+    scores = [b.cum_logprob / len(b.tokens) for b in beams]
+    assert len(beams) == 3 and scores == sorted(scores, reverse=True)
+    assert llm.llm_engine.block_manager.all_free()
+    case = read_reference("stories260K", "llama2c_reference.json")["cases"][1]
+    contiguous = LLM(shared_model("stories260K"), device="cuda", num_kv_blocks=256, kv_cache="contiguous")
+    got = contiguous.generate(case["prompt"], SamplingParams(temperature=0, max_tokens=50))[0].outputs[0].token_ids
+    assert got == case["greedy_ids"][:50]
