@@ -6,7 +6,7 @@ block table, sharing) → kernels (CUDA through CuPy) → engine (continuous bat
 """
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str):
@@ -19,6 +19,10 @@ def __getattr__(name: str):
         from pagedref.engine.sampling import SamplingParams
 
         return SamplingParams
+    if name == "BeamSearchParams":
+        from pagedref.engine.sampling import BeamSearchParams
+
+        return BeamSearchParams
     if name in ("RequestOutput", "CompletionOutput"):
         from pagedref.engine import sequence
 
