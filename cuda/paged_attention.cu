@@ -39,6 +39,11 @@
 //      same bits. With 8 threads per token and 1024-token partitions it was the fastest variant
 //      measured (docs/benchmarks.md); it is not the default yet because float32 builds overflow
 //      48 KB of static shared memory with it.
+//   v3 paged_attention_v3 (with -DDECODE_MMA=1; 16-bit K/V, HEAD_DIM 64/128/256): the same split-K
+//      and partials, but each warp streams 16-token slabs through two tensor-core products
+//      (mma.sync: S^T = K Q^T, O^T += V^T P^T) with a one-pass online softmax, so the instructions
+//      per byte drop ~4x and the loads of the next slab fly while this one is computed. Its own
+//      section below says how the fragments line up with plain 16-byte loads.
 //   Bit-level consequences: every reduction runs in an order fixed by (HEAD_DIM, PARTITION_SIZE,
 //   THREADS_PER_TOKEN, NUM_THREADS) and by token index only, so a sequence's result is the same
 //   bits whatever physical blocks hold its K/V, whatever else is in the batch, and however the
@@ -47,15 +52,17 @@
 //
 // Launch shapes:
 //   v1:     grid (num_seqs, num_heads),                              block NUM_THREADS
-//   v2:     grid (num_heads / HEADS_PER_CTA, max_parts, num_seqs),  block NUM_THREADS (the CTAs of
+//   v2, v3: grid (num_heads / HEADS_PER_CTA, max_parts, num_seqs),  block NUM_THREADS (the CTAs of
 //           one sequence and partition are neighbours in launch order)
 //   reduce: grid (num_seqs, num_heads),                              block NUM_THREADS
 //
 // Compile-time parameters (-D): PR_DTYPE (0 fp32, 1 fp16, 2 bf16), HEAD_DIM (a multiple of VEC,
 // <= 256), BLOCK_SIZE, HEADS_PER_CTA (<= 8, divides the GQA group), PARTITION_SIZE (a multiple of
 // BLOCK_SIZE), UNROLL (tokens per pipeline step per thread), THREADS_PER_TOKEN (power of two <= 32),
-// MIN_CTAS_PER_SM (v2's register budget: __launch_bounds__'s second argument), ASYNC_COPY (0/1),
-// STAGES (depth of the cp.async ring).
+// MIN_CTAS_PER_SM (v2's and v3's register budget: __launch_bounds__'s second argument), ASYNC_COPY
+// (0/1), STAGES (depth of the cp.async ring), DECODE_MMA (0/1: compile v3), KV_LOAD_HINT (0/1: v3's
+// K/V loads skip L1 and prefetch whole 256-byte rows into L2), KV_PREFETCH (0/1: v3 asks L2 for the
+// slab after next).
 #include "common.cuh"
 
 #ifndef HEADS_PER_CTA
@@ -459,6 +466,322 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// v3: split-K on the tensor cores, one pass. Compiled only with -DDECODE_MMA=1 (its own config).
+// ---------------------------------------------------------------------------------------------
+// Why: v2 spends ~45 instructions on every 16-byte K/V load (unpack, 4 heads x 8 FMAs, shuffle
+// trees), so an SM cannot issue enough loads to keep HBM busy. Here a warp's 16-token slab is two
+// mma.sync m16n8k16 products, S^T = K Q^T and O^T += V^T P^T (fp32 accumulators): ~270 SASS
+// instructions per 8 KB of K/V (head_dim 128, 4 heads) instead of ~1000, addressing included.
+// What is left is keeping bytes in flight: 16 warps per SM (128 registers, no spill), each with
+// its next slab's 8 KB on the way.
+// The layout tricks that make it cheap (fragment layouts: the PTX ISA's mma.m16n8k16; lane =
+// 4 * grp + tig):
+//   - a dot product does not care in which order its terms come, so the head dimension is
+//     permuted inside each mma: lane (grp, tig) loads 16 contiguous bytes of K row `grp` (and
+//     `grp + 8`) at dims 32c + 8tig, and those 8 elements ARE its A-fragment words for two mmas;
+//     the query's B fragment is loaded with the same permutation. No shuffle, no shared memory.
+//   - S^T comes out with tokens on rows and heads on columns (a lane holds heads 2tig, 2tig+1),
+//     the layout the per-head max needs (3 shuffles); P^T as the B operand of the p.V mma wants
+//     heads on the lane's group instead: an 8x8 transpose in registers (two shuffles) per 8 tokens.
+//   - V^T as the A operand needs pairs of tokens in one 32-bit word: lane (grp, tig) loads tokens
+//     2tig, 2tig+1, 2tig+8, 2tig+9 at dims 64c + 8grp and pairs them with one prmt per word; the
+//     output dims are permuted the same way and unscrambled when written.
+//   - up to 8 query heads of one GQA group ride in the N = 8 columns (unused columns get a zero
+//     query), so K and V are read once per group.
+// Each warp owns the slabs warp, warp + 4, ... of the partition and keeps its own online softmax
+// (running max, per-lane exp-sums, accumulators rescaled when the max grows) in log2 units
+// (exp2 with scale * log2(e) folded in). While a slab is computed, the warp's next slab of K is
+// already in flight, and its V right after; tokens past the context are clamped to the last one
+// (a real token: no NaN from unused slots reaches an mma) and masked to -inf, so every load is
+// unconditional. At the end the 4 warps merge through shared memory in warp order and the
+// partition writes the same partials as v2, so paged_attention_reduce merges partitions.
+// Bits: every sum runs in an order fixed by token index and lane, whatever the batch or blocks.
+// Scope: 16-bit K/V, HEAD_DIM a multiple of 64, up to 8 heads per CTA; the launcher runs v2
+// elsewhere (pagedref.kernels.splitk.mma_supported). The query is re-read from shared memory each
+// slab rather than held in 16 registers: that is what fits 4 CTAs per SM at head_dim 128.
+#ifndef DECODE_MMA
+#define DECODE_MMA 0
+#endif
+#ifndef KV_LOAD_HINT
+#define KV_LOAD_HINT 0
+#endif
+#ifndef KV_PREFETCH
+#define KV_PREFETCH 0
+#endif
+#if DECODE_MMA
+static_assert(PR_DTYPE == 1 || PR_DTYPE == 2, "v3 (DECODE_MMA) needs 16-bit K/V: float16 or bfloat16");
+static_assert(HEAD_DIM % 64 == 0, "v3 (DECODE_MMA) needs HEAD_DIM a multiple of 64");
+static_assert(G <= 8, "v3 serves at most 8 query heads per CTA: the N of one mma");
+
+constexpr int SLAB = 16;            // tokens per warp step: the M of QK^T, the K of p.V
+constexpr int KCH = HEAD_DIM / 32;  // K: 16-byte slices per lane per token row (two rows per lane)
+constexpr int VCH = HEAD_DIM / 64;  // V: 64-dim bands (four token rows per lane)
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+#if PR_DTYPE == 2
+#define PR_MMA_T "bf16"
+#else
+#define PR_MMA_T "f16"
+#endif
+
+// d += A B: A 16x16 row-major, B 16x8 column-major, 16-bit inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                          unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." PR_MMA_T "." PR_MMA_T ".f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Two floats -> one word of two 16-bit values (lo in the low half), round to nearest even.
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn." PR_MMA_T "x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// The warp's 8x8 matrix X of 16-bit values, lane (grp, tig) holding X[grp][2tig] (low half) and
+// X[grp][2tig + 1] -> its transpose in the same layout: X[2tig][grp] and X[2tig + 1][grp], which
+// sit in lanes 8tig + grp/2 and 8tig + 4 + grp/2, in the half grp % 2. (What movmatrix does;
+// two shuffles and a byte permute say it in plain CUDA.)
+__device__ __forceinline__ unsigned transpose_8x8(unsigned x, int grp, int tig) {
+  const unsigned a = __shfl_sync(PR_FULL_MASK, x, 8 * tig + grp / 2);
+  const unsigned b = __shfl_sync(PR_FULL_MASK, x, 8 * tig + 4 + grp / 2);
+  return __byte_perm(a, b, grp % 2 ? 0x7632 : 0x5410);
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {  // 2^x; 2^-inf = +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ unsigned word(const uint4 &u, int i) {  // i is a constant after unrolling
+  return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
+}
+
+// A 16-byte shared-memory read the compiler may not hoist out of the slab loop: re-reading the
+// query each slab (4 loads at head_dim 128) is cheaper than holding it in 16 registers.
+__device__ __forceinline__ uint4 lds16(const uint4 *p) {
+  uint4 u;
+  asm volatile("ld.volatile.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+               : "r"((unsigned)__cvta_generic_to_shared(p)));
+  return u;
+}
+
+// A K/V load that is read exactly once: KV_LOAD_HINT=1 skips L1 and asks L2 for the whole
+// 256-byte row (the row's other slices come from the same lane's next loads).
+__device__ __forceinline__ uint4 load_kv16(const scalar_t *p) {
+#if KV_LOAD_HINT
+  uint4 u;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+      : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(p));
+  return u;
+#else
+  return load16(p);
+#endif
+}
+
+// Where the partition's token rows are, for one kv head. Token t0 + r of a slab (t0 a multiple of
+// SLAB) is clamped to the last real token n - 1; with BLOCK_SIZE >= SLAB a slab lies in one block,
+// so all of a lane's rows share one block number (one shared-memory read, one 64-bit product).
+struct PartitionRows {
+  const int *blocks_s;  // the partition's physical block numbers, in shared memory
+  int n;                // tokens in the partition
+  int row_stride;       // elements from one token's row to the next: num_kv_heads * HEAD_DIM
+  int kv_off;           // kv_head * HEAD_DIM
+  __device__ __forceinline__ const scalar_t *row(const scalar_t *cache, int t0, int r) const {
+    const unsigned t = min(t0 + r, n - 1);  // >= 0: unsigned division is a shift
+    const unsigned b = BLOCK_SIZE >= SLAB ? (unsigned)t0 / BLOCK_SIZE : t / BLOCK_SIZE;
+    return cache + (long long)blocks_s[b] * (BLOCK_SIZE * row_stride) + (int)(t % BLOCK_SIZE) * row_stride + kv_off;
+  }
+};
+
+// KV_PREFETCH=1: ask L2 for a slab's K and V rows one step before their loads are issued (lane l
+// takes token row l % 16 of K, or of V for l >= 16), so each warp has a third slab on the way
+// without holding it in registers.
+__device__ __forceinline__ void prefetch_slab_l2(const scalar_t *k_cache, const scalar_t *v_cache,
+                                                 const PartitionRows &r, int t0, int lane) {
+  const scalar_t *p = r.row(lane < SLAB ? k_cache : v_cache, t0, lane % SLAB);
+#pragma unroll
+  for (int c = 0; c < HEAD_DIM / 64; ++c) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p + 64 * c));  // 128-byte lines
+}
+
+// This lane's K slices of the slab starting at token t0: rows t0 + grp and t0 + grp + 8,
+// dims 32c + 8tig .. + 8: exactly its A fragments of the KCH x 2 QK^T mmas.
+__device__ __forceinline__ void load_k_slab(uint4 (&kt)[KCH][2], const scalar_t *k_cache, const PartitionRows &r,
+                                            int t0, int grp, int tig) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const scalar_t *p = r.row(k_cache, t0, grp + 8 * i) + 8 * tig;
+#pragma unroll
+    for (int c = 0; c < KCH; ++c) kt[c][i] = load_kv16(p + 32 * c);
+  }
+}
+
+// This lane's V slices of the slab: rows t0 + 2tig + {0, 1, 8, 9}, dims 64c + 8grp .. + 8.
+__device__ __forceinline__ void load_v_slab(uint4 (&vt)[VCH][4], const scalar_t *v_cache, const PartitionRows &r,
+                                            int t0, int grp, int tig) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const scalar_t *p = r.row(v_cache, t0, 2 * tig + (i & 1) + 8 * (i >> 1)) + 8 * grp;
+#pragma unroll
+    for (int c = 0; c < VCH; ++c) vt[c][i] = load_kv16(p + 64 * c);
+  }
+}
+
+// v2's arguments and outputs, shape for shape (the launcher passes the same tuple to either).
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged_attention_v3(
+    scalar_t *__restrict__ out, float *__restrict__ tmp_out, float *__restrict__ max_logits,
+    float *__restrict__ exp_sums, const scalar_t *__restrict__ q, const scalar_t *__restrict__ k_cache,
+    const scalar_t *__restrict__ v_cache, const int *__restrict__ block_tables,
+    const int *__restrict__ context_lens, int max_blocks, int num_heads, int num_kv_heads, int max_parts,
+    float scale) {
+  constexpr int PART_BLOCKS = PARTITION_SIZE / BLOCK_SIZE;
+  __shared__ int blocks_s[PART_BLOCKS];
+  __shared__ float o_s[NUM_WARPS][G][HEAD_DIM];           // each warp's unnormalized p.V
+  __shared__ float m_s[NUM_WARPS][G], l_s[NUM_WARPS][G];  // each warp's max (log2 units) and exp-sum
+  __shared__ uint4 q_s[8][HEAD_DIM / VEC];                 // the query, 8 heads (zeros past G)
+
+  const int head0 = blockIdx.x * G, part = blockIdx.y, s = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / PR_WARP, lane = tid % PR_WARP;
+  const int grp = lane / 4, tig = lane % 4;  // this lane's row group and column pair in mma fragments
+  const int start = part * PARTITION_SIZE;
+
+  // Three independent reads, all in flight at once: the context length, the partition's block
+  // numbers (columns past the sequence's last block are padding, staged but never used) and the
+  // query's B fragments (head head0 + grp, dims 32c + 8tig; zeros in the columns past G).
+  const int ctx = context_lens[s];
+  const int *bt = block_tables + (long long)s * max_blocks + start / BLOCK_SIZE;
+  for (int i = tid; i < PART_BLOCKS && start / BLOCK_SIZE + i < max_blocks; i += NUM_THREADS) blocks_s[i] = bt[i];
+  for (int i = tid; i < 8 * HEAD_DIM / VEC; i += NUM_THREADS) {
+    const int h = i / (HEAD_DIM / VEC), c = i % (HEAD_DIM / VEC);
+    q_s[h][c] = h < G ? load16(q + ((long long)s * num_heads + head0 + h) * HEAD_DIM + c * VEC) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  if (start >= ctx) return;  // the whole CTA leaves together, before any barrier
+  const int n = min(PARTITION_SIZE, ctx - start);
+  const int num_parts = (ctx + PARTITION_SIZE - 1) / PARTITION_SIZE;
+  const int num_slabs = (n + SLAB - 1) / SLAB;
+  const float scale_log2 = scale * LOG2E;
+  const PartitionRows rows{blocks_s, n, num_kv_heads * HEAD_DIM, head0 / (num_heads / num_kv_heads) * HEAD_DIM};
+  __syncthreads();  // blocks_s ready
+
+  // Online softmax state for heads 2tig (…0) and 2tig + 1 (…1); o[c][j] is the C fragment of
+  // O^T's rows 64c + 8grp + 2j (+1) and columns (heads) 2tig, 2tig + 1.
+  float m0 = neg_inf(), m1 = neg_inf(), l0 = 0.f, l1 = 0.f;
+  float o[VCH][4][4];
+#pragma unroll
+  for (int c = 0; c < VCH; ++c)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[c][j][e] = 0.f;
+
+  uint4 kt[KCH][2], vt[VCH][4];
+  if (warp < num_slabs) {
+    load_k_slab(kt, k_cache, rows, warp * SLAB, grp, tig);
+    load_v_slab(vt, v_cache, rows, warp * SLAB, grp, tig);
+  }
+  for (int slab = warp; slab < num_slabs; slab += NUM_WARPS) {  // warp-uniform trip count
+    const int t0 = slab * SLAB, next = slab + NUM_WARPS;
+    // S^T[token, head] = K Q^T over the 16 tokens: lane holds tokens grp, grp + 8 x heads 2tig, 2tig + 1.
+    float sc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int c = 0; c < KCH; ++c) {
+      const uint4 qf = lds16(&q_s[grp][4 * c + tig]);  // B fragments of Q^T: head grp, dims 32c + 8tig .. + 8
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        mma_16816(sc, word(kt[c][0], 2 * h), word(kt[c][1], 2 * h), word(kt[c][0], 2 * h + 1),
+                  word(kt[c][1], 2 * h + 1), word(qf, 2 * h), word(qf, 2 * h + 1));
+    }
+    if (next < num_slabs) load_k_slab(kt, k_cache, rows, next * SLAB, grp, tig);  // in flight from here on
+    if (KV_PREFETCH && next + NUM_WARPS < num_slabs) prefetch_slab_l2(k_cache, v_cache, rows, (next + NUM_WARPS) * SLAB, lane);
+
+    // Softmax step, log2 units; tokens past the partition's end get -inf, i.e. p = 0.
+    const bool in0 = t0 + grp < n, in1 = t0 + grp + 8 < n;
+    const float x0 = in0 ? sc[0] * scale_log2 : neg_inf(), x1 = in0 ? sc[1] * scale_log2 : neg_inf();
+    const float x2 = in1 ? sc[2] * scale_log2 : neg_inf(), x3 = in1 ? sc[3] * scale_log2 : neg_inf();
+    float mx0 = fmaxf(x0, x2), mx1 = fmaxf(x1, x3);
+#pragma unroll
+    for (int off = 4; off < PR_WARP; off *= 2) {  // over the 8 token rows (lanes of equal tig)
+      mx0 = fmaxf(mx0, __shfl_xor_sync(PR_FULL_MASK, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(PR_FULL_MASK, mx1, off));
+    }
+    const float new0 = fmaxf(m0, mx0), new1 = fmaxf(m1, mx1);  // finite: the slab has a real token
+    const float corr0 = exp2_approx(m0 - new0), corr1 = exp2_approx(m1 - new1);  // 0 on the first slab
+    m0 = new0;
+    m1 = new1;
+    const float p0 = exp2_approx(x0 - new0), p1 = exp2_approx(x1 - new1);  // token grp
+    const float p2 = exp2_approx(x2 - new0), p3 = exp2_approx(x3 - new1);  // token grp + 8
+    l0 = l0 * corr0 + (p0 + p2);
+    l1 = l1 * corr1 + (p1 + p3);
+    const unsigned p_lo = pack2(p0, p1), p_hi = pack2(p2, p3);  // P in 16 bits for the mma
+    // P^T as the B operand: lane holds head grp x tokens 2tig, 2tig + 1 (+ 8).
+    const unsigned pb0 = transpose_8x8(p_lo, grp, tig), pb1 = transpose_8x8(p_hi, grp, tig);
+
+    // O^T[dim, head] = O^T * corr + V^T P^T.
+#pragma unroll
+    for (int c = 0; c < VCH; ++c)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        o[c][j][0] *= corr0;
+        o[c][j][1] *= corr1;
+        o[c][j][2] *= corr0;
+        o[c][j][3] *= corr1;
+        const unsigned a = word(vt[c][0], j), b = word(vt[c][1], j), e = word(vt[c][2], j), f = word(vt[c][3], j);
+        mma_16816(o[c][j], __byte_perm(a, b, 0x5410), __byte_perm(a, b, 0x7632), __byte_perm(e, f, 0x5410),
+                  __byte_perm(e, f, 0x7632), pb0, pb1);
+      }
+    if (next < num_slabs) load_v_slab(vt, v_cache, rows, next * SLAB, grp, tig);
+  }
+
+  // The warp's exp-sums: each lane added its own tokens; add over the 8 token rows.
+#pragma unroll
+  for (int off = 4; off < PR_WARP; off *= 2) {
+    l0 += __shfl_xor_sync(PR_FULL_MASK, l0, off);
+    l1 += __shfl_xor_sync(PR_FULL_MASK, l1, off);
+  }
+  const int h0 = 2 * tig, h1 = 2 * tig + 1;
+  if (grp == 0 && h0 < G) m_s[warp][h0] = m0, l_s[warp][h0] = l0;
+  if (grp == 0 && h1 < G) m_s[warp][h1] = m1, l_s[warp][h1] = l1;
+#pragma unroll
+  for (int c = 0; c < VCH; ++c)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int d = 64 * c + 8 * grp + 2 * j;
+      if (h0 < G) o_s[warp][h0][d] = o[c][j][0], o_s[warp][h0][d + 1] = o[c][j][2];
+      if (h1 < G) o_s[warp][h1][d] = o[c][j][1], o_s[warp][h1][d + 1] = o[c][j][3];
+    }
+  __syncthreads();
+
+  // Merge the warps in warp order (a warp without tokens has max -inf: weight 0), then write the
+  // output itself when the context has one partition, else this partition's share (max in the
+  // natural-log units paged_attention_reduce expects).
+  for (int i = tid; i < G * HEAD_DIM; i += NUM_THREADS) {
+    const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+    float m = m_s[0][g];
+#pragma unroll
+    for (int w = 1; w < NUM_WARPS; ++w) m = fmaxf(m, m_s[w][g]);
+    float l = 0.f, acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) {
+      const float f = exp2_approx(m_s[w][g] - m);
+      l = fmaf(l_s[w][g], f, l);
+      acc = fmaf(o_s[w][g][d], f, acc);
+    }
+    const long long row = (long long)s * num_heads + head0 + g;
+    if (num_parts == 1) out[row * HEAD_DIM + d] = from_float(acc / l);
+    else tmp_out[(row * max_parts + part) * HEAD_DIM + d] = acc / l;
+    if (num_parts > 1 && d == 0) {
+      max_logits[row * max_parts + part] = m * LN2;
+      exp_sums[row * max_parts + part] = l;
+    }
+  }
+}
+#endif  // DECODE_MMA
 
 // Merge the partitions of each (sequence, head): the flash-decoding reduction. Partition weights
 // pass through shared memory REDUCE_CHUNK at a time; every sum runs over p in increasing order.

@@ -9,6 +9,7 @@ AttentionMetadata by hand, so the model and the backend are tested on their own.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +19,9 @@ from pagedref.backends.metadata import AttentionMetadata
 from pagedref.backends.reference import ReferenceBackend
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_MODELS = (REPO_ROOT / ".." / "shared" / "models").resolve()
+# ../shared/models beside the checkout; PAGEDREF_SHARED_MODELS points elsewhere (the GPU machine, where
+# only the working tree travels and the models are carried in a git-ignored folder).
+SHARED_MODELS = Path(os.environ.get("PAGEDREF_SHARED_MODELS", REPO_ROOT / ".." / "shared" / "models")).resolve()
 HF_MODELS = ("tiny-llama3-hd64", "tiny-qwen2-hd128", "tiny-mistral-hd32")
 
 

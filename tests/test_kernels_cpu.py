@@ -1,6 +1,7 @@
 """CPU checks of the kernel package: split-K arithmetic under Hypothesis, the launch-shape rules,
 the compile configurations, the argument checks and the test helpers (no GPU, no cupy needed)."""
 
+import shutil
 import subprocess
 import sys
 
@@ -115,7 +116,38 @@ def test_decode_launcher_shape_errors_come_before_the_device_check(p):
         kernels.paged_attention_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
     with pytest.raises(ValueError, match="version"):
         kernels.paged_attention_decode(p.q[:3].contiguous(), p.k_cache, p.v_cache, p.block_tables, p.context_lens,
-                                       p.scale, version=3)
+                                       p.scale, version=4)
+    with pytest.raises(TypeError, match="version 3 takes a MmaTuning"):
+        kernels.paged_attention_decode(p.q[:3].contiguous(), p.k_cache, p.v_cache, p.block_tables, p.context_lens,
+                                       p.scale, version=3, tuning=build.DecodeTuning())
+
+
+def test_tensor_core_decode_falls_back_to_v2_by_dtype_and_head_dim_only():
+    from pagedref.kernels.launch import _decode_kernel
+
+    assert _decode_kernel(3, None, 2, 128) == (3, build.MmaTuning())
+    assert _decode_kernel(3, build.MmaTuning(partition_size=1024), 2, 64) == (3, build.MmaTuning(partition_size=1024))
+    for elem_size, head_dim in ((4, 128), (2, 8), (2, 96), (2, 32)):  # float32, or head_dim not a multiple of 64
+        assert _decode_kernel(3, None, elem_size, head_dim) == (2, build.DecodeTuning())
+    assert _decode_kernel(2, None, 2, 128) == (2, build.DecodeTuning())
+    with pytest.raises(ValueError, match="v3"):
+        build.mma_decode_config("float32", 128, 16, 4)
+    with pytest.raises(ValueError, match="head_dim"):
+        build.mma_decode_config("bfloat16", 96, 16, 4)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("head_dim", splitk.MMA_HEAD_DIMS)
+def test_tensor_core_decode_fits_its_occupancy_without_spilling(head_dim, tmp_path):
+    # MMA_MIN_CTAS_PER_SM caps v3's registers (4 CTAs per SM at head_dim 128: 128 registers); ptxas
+    # must not spill to local memory to meet it.
+    config = build.mma_decode_config("bfloat16", head_dim, 16, 4)
+    cmd = ["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", *config.options(), str(config.source),
+           "-o", str(tmp_path / "k.cubin")]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    report = res.stderr.split("Compiling entry function 'paged_attention_v3'")[1].split("Compiling entry")[0]
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
 def test_copy_blocks_arguments():

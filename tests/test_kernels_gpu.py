@@ -1,5 +1,7 @@
 """GPU sweeps of the stage 5 kernels: every dtype, head_dim, block_size and GQA shape against the
-float64 oracle, chunked-prefill invariance, and the `cuda` backend end to end. Skips without a GPU."""
+float64 oracle (decode v2 and v3; v3 falls back to v2 outside 16-bit K/V with head_dim 64/128/256),
+bitwise invariance under block placement and batching, chunked-prefill invariance, and the `cuda`
+backend end to end. Skips without a GPU."""
 
 import pytest
 import torch
@@ -31,12 +33,13 @@ def check(out, p, dtype):
     assert err <= TOL[dtype], err
 
 
+@pytest.mark.parametrize("version", [2, 3])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", kernels.SUPPORTED_HEAD_DIMS)
-def test_decode_every_head_dim_and_dtype(head_dim, dtype):
+def test_decode_every_head_dim_and_dtype(head_dim, dtype, version):
     p = T.make_problem([1, 100, 513, 1500], num_heads=8, num_kv_heads=2, head_dim=head_dim, dtype=dtype,
                        seed=head_dim)
-    check(decode(p, out=torch.full_like(p.q, float("nan"))), p, dtype)
+    check(decode(p, out=torch.full_like(p.q, float("nan")), version=version), p, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -48,7 +51,7 @@ def test_prefill_every_head_dim_and_dtype(head_dim, dtype):
 
 
 @pytest.mark.parametrize("block_size", kernels.SUPPORTED_BLOCK_SIZES)
-@pytest.mark.parametrize("kernel", ["decode_v1", "decode_v2", "prefill"])
+@pytest.mark.parametrize("kernel", ["decode_v1", "decode_v2", "decode_v3", "prefill"])
 def test_every_block_size(block_size, kernel):
     qlens = [9, 1, 40] if kernel == "prefill" else None
     p = T.make_problem([9, 1030, 77], qlens, head_dim=64, block_size=block_size, dtype=torch.bfloat16, seed=block_size)
@@ -65,6 +68,14 @@ def test_grouped_query_shapes(num_heads, num_kv_heads):
     check(decode(p, version=1), p, torch.float16)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (7, 1), (16, 2), (32, 2)])
+def test_grouped_query_shapes_on_the_tensor_cores(num_heads, num_kv_heads):
+    # v3 puts a CTA's query heads in the 8 columns of its mmas: 1, 3, 7 or 8 of them used.
+    p = T.make_problem([600, 45, 16], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+                       dtype=torch.bfloat16, seed=num_heads)
+    check(decode(p, version=3, out=torch.full_like(p.q, float("nan"))), p, torch.bfloat16)
+
+
 @pytest.mark.parametrize("name", list(build.CANDIDATES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_every_candidate_tuning(name, dtype):
@@ -73,17 +84,21 @@ def test_every_candidate_tuning(name, dtype):
     # token change the arithmetic.
     tuning = build.CANDIDATES[name]
     p = T.make_problem([1, 500, 1100, 3000], num_heads=8, num_kv_heads=2, head_dim=128, dtype=dtype, seed=17)
-    out = decode(p, tuning=tuning, out=torch.full_like(p.q, float("nan")))
+    out = decode(p, version=tuning.version, tuning=tuning, out=torch.full_like(p.q, float("nan")))
     check(out, p, dtype)
-    same_arithmetic = build.DecodeTuning(partition_size=tuning.partition_size,
-                                         threads_per_token=tuning.threads_per_token or 8)
-    assert T.same_bits(out, decode(p, tuning=same_arithmetic))
+    if tuning.version == 3:
+        same_arithmetic = build.MmaTuning(partition_size=tuning.partition_size)
+    else:
+        same_arithmetic = build.DecodeTuning(partition_size=tuning.partition_size,
+                                             threads_per_token=tuning.threads_per_token or 8)
+    assert T.same_bits(out, decode(p, version=tuning.version, tuning=same_arithmetic))
 
 
-def test_very_long_context_many_partitions():
+@pytest.mark.parametrize("version", [2, 3])
+def test_very_long_context_many_partitions(version):
     p = T.make_problem([40000, 700], num_heads=8, num_kv_heads=1, head_dim=128, block_size=32,
                        dtype=torch.bfloat16, seed=11)
-    check(decode(p), p, torch.bfloat16)
+    check(decode(p, version=version), p, torch.bfloat16)
 
 
 def test_chunked_prefill_is_bitwise_the_unchunked_prefill():
@@ -103,14 +118,22 @@ def test_decode_and_prefill_agree_on_a_single_query_row():
     assert T.max_rel_err(prefill(p), decode(p).double().cpu().numpy(), p) <= 1e-5
 
 
-def test_results_do_not_depend_on_the_batch_under_random_subsets():
+@pytest.mark.parametrize("version", [2, 3])
+def test_results_do_not_depend_on_the_batch_under_random_subsets(version):
     gen = torch.Generator().manual_seed(14)
     p = T.make_problem(torch.randint(1, 2500, (12,), generator=gen).tolist(), head_dim=128, num_heads=8,
                        num_kv_heads=2, dtype=torch.bfloat16, seed=14)
-    full = decode(p)
+    full = decode(p, version=version)
     for _ in range(5):
         seqs = torch.randperm(12, generator=gen)[: int(torch.randint(1, 12, (1,), generator=gen))].tolist()
-        assert T.same_bits(decode(T.select(p, seqs)), full[torch.tensor(seqs, device="cuda")])
+        assert T.same_bits(decode(T.select(p, seqs), version=version), full[torch.tensor(seqs, device="cuda")])
+
+
+@pytest.mark.parametrize("block_size", kernels.SUPPORTED_BLOCK_SIZES)
+def test_tensor_core_decode_does_not_depend_on_block_placement(block_size):
+    p = T.make_problem([700, 40, 1200, 16], num_heads=8, num_kv_heads=2, head_dim=128, block_size=block_size,
+                       dtype=torch.float16, seed=18)
+    assert T.same_bits(decode(p, version=3), decode(T.permute_blocks(p, seed=19), version=3))
 
 
 def metadata(p: T.PagedProblem, slot_mapping: torch.Tensor) -> AttentionMetadata:

@@ -1,16 +1,18 @@
 """Kernel benchmark: paged decode attention against torch SDPA and against the copy roofline.
 
 One idea: decode attention is a stream over the KV cache, so its yardstick is memory bandwidth.
-For each (batch, context) we time our split-K kernel reading K/V through block tables (blocks in
-random physical order), torch's scaled_dot_product_attention on the same K/V laid out contiguously
-(the fastest SDPA backend that runs), and a plain device-to-device copy, and report
+For each (batch, context) we time our split-K kernels (v2 and its candidate tunings, v3 on the
+tensor cores) reading K/V through block tables (blocks in random physical order), torch's
+scaled_dot_product_attention on the same K/V laid out contiguously (the fastest SDPA backend
+that runs), and a plain device-to-device copy, and report
 effective bandwidth = K/V bytes read / time. Prefill is reported in TFLOP/s against SDPA causal.
 
 Invariant: every timing is the median of many CUDA-event-timed repetitions after warm-up, with the
 work captured in a CUDA graph where possible (so Python launch overhead is not measured), over
 enough buffer sets that the working set exceeds 3x the L2 cache (the decode shapes here are each
 0.5-1 GB, so one set already streams from HBM); no number is asserted, only reported.
-Usage: `python -m pagedref.bench kernel [--json [PATH]] [--variants] [--reps N] [--no-prefill]`
+Usage: `python -m pagedref.bench kernel [--json [PATH]] [--variants] [--reps N] [--no-prefill]
+[--skip-version 3]`
 """
 
 from __future__ import annotations
@@ -148,45 +150,57 @@ def best_sdpa(q, k, v, causal: bool, reps: int) -> dict:
     return {"backend": best, "ms": timings[best], "all_ms": timings, "out": variants[best]()}
 
 
-def bench_decode(batch: int, context: int, reps: int) -> dict:
+def bench_decode(batch: int, context: int, reps: int, skip_version: int | None = None) -> dict:
     from pagedref.kernels.build import CANDIDATES
 
     first = DecodeCase(batch, context)
     cases = [first] + [DecodeCase(batch, context, seed=i) for i in range(1, num_sets(first.kv_bytes))]
     gb = first.kv_bytes / 1e9
-    candidates = {}
+    candidates, outs = {}, {}
     for name, tuning in CANDIDATES.items():
-        ms, graphed = time_ms([lambda c=c: c.run(tuning=tuning) for c in cases], reps)
+        if tuning.version == skip_version:
+            continue
+
+        def run(c: DecodeCase, t=tuning) -> torch.Tensor:
+            return c.run(version=t.version, tuning=t)
+        ms, graphed = time_ms([lambda c=c: run(c) for c in cases], reps)
         candidates[name] = {"ms": ms, "GBps": gb / ms * 1e3, "graphed": graphed}
-    ours = first.run().clone()
+        outs[name] = run(first).clone()
     del cases[1:]
     k, v = first.contiguous_kv()
     sd = best_sdpa(first.q.unsqueeze(2), k, v, causal=False, reps=reps)  # q as [B, H, 1, D]
-    err = ((ours.float() - sd["out"].squeeze(2).float()).norm() / sd["out"].float().norm()).item()
+    ref = sd["out"].squeeze(2).float()
+    for name, out in outs.items():
+        candidates[name]["rel_err_vs_sdpa"] = ((out.float() - ref).norm() / ref.norm()).item()
     return {"batch": batch, "context": context, "kv_GB": gb, "buffer_sets": num_sets(first.kv_bytes),
             "kernel_ms": candidates["default"]["ms"], "kernel_GBps": candidates["default"]["GBps"],
             "candidates": candidates, "sdpa_backend": sd["backend"], "sdpa_ms": sd["ms"], "sdpa_all_ms": sd["all_ms"],
-            "sdpa_GBps": gb / sd["ms"] * 1e3, "rel_err_vs_sdpa": err}
+            "sdpa_GBps": gb / sd["ms"] * 1e3, "rel_err_vs_sdpa": candidates["default"]["rel_err_vs_sdpa"]}
 
 
-VARIANTS = (  # DecodeTuning fields (partition_size, unroll, threads_per_token, min_ctas_per_sm)
-    (512, 4, 16, 1),  # the first v2: 16 threads per token (one 16-byte load each), no occupancy hint
-    (512, 2, 8, 1),  # 8 threads per token: half the shuffles, twice the registers
-    (512, 2, 8, 4),  # = the default: the same, capped at 128 registers for 4 CTAs per SM
-)
+def variants() -> list[tuple[str, object]]:
+    """(label, tuning) of the design points --variants times beyond the candidates."""
+    from pagedref.kernels.build import DecodeTuning, MmaTuning
+
+    return [  # v2: DecodeTuning(partition_size, unroll, threads_per_token, min_ctas_per_sm)
+        ("v2, 16 threads per token (one 16-byte load each), no occupancy hint", DecodeTuning(512, 4, 16, 1)),
+        ("v2, 8 threads per token: half the shuffles, twice the registers", DecodeTuning(512, 2, 8, 1)),
+        ("v2, the same capped at 128 registers (4 CTAs/SM) = v2 default", DecodeTuning(512, 2, 8, 4)),
+        ("v3, 3 CTAs/SM (register cap 168) instead of 4", MmaTuning(min_ctas_per_sm=3)),
+        ("v3, 256-token partitions", MmaTuning(partition_size=256)),
+        ("v3, 2048-token partitions", MmaTuning(partition_size=2048)),
+    ]
 
 
-def bench_variants(reps: int) -> list[dict]:
-    """The design space at (64, 4096): partition size, pipeline depth, threads per token, and v1."""
-    from pagedref.kernels.build import DecodeTuning
-
+def bench_variants(reps: int, skip_version: int | None = None) -> list[dict]:
+    """The design space at (64, 4096): partition size, pipeline depth, threads per token, occupancy, and v1."""
     case = DecodeCase(64, 4096)
     rows = []
-    for fields in VARIANTS:
-        tuning = DecodeTuning(*fields)
-        ms, _ = time_ms([lambda: case.run(tuning=tuning)], reps)
-        rows.append({"variant": "v2 partition={} unroll={} tpt={} min_ctas={}".format(*fields),
-                     "ms": ms, "GBps": case.kv_bytes / ms / 1e6})
+    for label, tuning in variants():
+        if tuning.version == skip_version:
+            continue
+        ms, _ = time_ms([lambda: case.run(version=tuning.version, tuning=tuning)], reps)
+        rows.append({"variant": label, "ms": ms, "GBps": case.kv_bytes / ms / 1e6})
     ms, _ = time_ms([lambda: case.run(version=1)], max(3, reps // 10), warmup=1)
     rows.append({"variant": "v1 (one CTA per sequence and head)", "ms": ms, "GBps": case.kv_bytes / ms / 1e6})
     return rows
@@ -228,18 +242,26 @@ def print_table(res: dict) -> None:
               f"{r['kernel_GBps']:>6.0f} | {r['sdpa_ms'] * 1e3:>8.1f} {r['sdpa_GBps']:>6.0f} {r['sdpa_backend']:<22} | "
               f"{r['kernel_GBps'] / r['sdpa_GBps']:>6.1%} {r['kernel_GBps'] / res['copy_GBps']:>6.1%} | "
               f"{r['rel_err_vs_sdpa']:>7.1e}")
-    for name in res["decode"][0]["candidates"]:
-        cells = " ".join(f"{r['candidates'][name]['GBps']:>5.0f} ({r['candidates'][name]['GBps'] / r['sdpa_GBps']:>4.0%})"
-                         for r in res["decode"])
-        print(f"  candidate {name:<22} GB/s (vs SDPA) per shape: {cells}")
     for r in res.get("variants", []):
-        print(f"  (64, 4096) {r['variant']:<64} {r['ms'] * 1e3:>9.1f} us {r['GBps']:>6.0f} GB/s")
+        print(f"  (64, 4096) {r['variant']:<68} {r['ms'] * 1e3:>7.1f} us {r['GBps']:>5.0f} GB/s")
     if res.get("prefill"):
         print(f"prefill bf16 causal, same heads: TFLOP/s = 4 * B * H * d * L(L+1)/2 / time")
         for r in res["prefill"]:
             print(f"  batch {r['batch']} x {r['length']}: ours {r['kernel_ms']:.2f} ms {r['kernel_TFLOPs']:.1f} TFLOP/s | "
                   f"SDPA {r['sdpa_backend']} {r['sdpa_ms']:.2f} ms {r['sdpa_TFLOPs']:.1f} TFLOP/s | "
                   f"{r['kernel_TFLOPs'] / r['sdpa_TFLOPs']:.1%} | err {r['rel_err_vs_sdpa']:.1e}")
+    print_candidates(res)
+
+
+def print_candidates(res: dict) -> None:
+    """The compact table: every candidate's GB/s, its share of SDPA's and of the copy's, per shape."""
+    shapes = "".join(f"{'(%d, %d)' % (r['batch'], r['context']):>21}" for r in res["decode"])
+    print(f"decode GB/s (/SDPA /copy){shapes}  max err vs SDPA")
+    for name in res["decode"][0]["candidates"]:
+        cells = [r["candidates"][name] | {"sdpa": r["sdpa_GBps"]} for r in res["decode"]]
+        row = "".join(f"{c['GBps']:>9.0f} ({c['GBps'] / c['sdpa']:>4.0%} {c['GBps'] / res['copy_GBps']:>4.0%})"
+                      for c in cells)
+        print(f"  {name:<23}{row}  {max(c['rel_err_vs_sdpa'] for c in cells):.1e}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=50, help="timed repetitions per measurement (median reported)")
     ap.add_argument("--variants", action="store_true", help="also time partition sizes, unrolls and v1 at (64, 4096)")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--skip-version", type=int, choices=(3,), help="time no tuning of this decode kernel version "
+                    "(device_check.sh passes 3 when v3 failed its self-check: a fault would end the whole run)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("the kernel benchmark needs a CUDA GPU", file=sys.stderr)
@@ -258,9 +282,9 @@ def main(argv: list[str] | None = None) -> int:
            "gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
            "torch": torch.__version__, "cupy": cupy.__version__}
     res["copy_GBps"], res["copy_method"] = copy_bandwidth(args.reps)
-    res["decode"] = [bench_decode(b, c, args.reps) for b, c in DECODE_SHAPES]
+    res["decode"] = [bench_decode(b, c, args.reps, args.skip_version) for b, c in DECODE_SHAPES]
     if args.variants:
-        res["variants"] = bench_variants(args.reps)
+        res["variants"] = bench_variants(args.reps, args.skip_version)
     if not args.no_prefill:
         res["prefill"] = [bench_prefill(b, n, max(5, args.reps // 5)) for b, n in PREFILL_SHAPES]
     if args.json:

@@ -6,20 +6,26 @@ heads per CTA, partition size) and compiled at run time by CuPy's NVRTC; each di
 
 Invariant: the options a config produces are the same for NVRTC here and for nvcc in CI
 (`nvcc_command`), so a kernel that CI compiled is the kernel that runs. `print_ci_configs()`
-lists the configs CI compiles, one line each, for `.ci/compile_kernels.sh`.
+lists the configs CI compiles, one line each, for `.ci/compile_kernels.sh`; on a GPU machine
+`precompile()` compiles them all in parallel processes into CuPy's on-disk cache, so the test and
+benchmark processes after it only load binaries (pagedref/kernels/device_check.sh does).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import multiprocessing
 import os
+import re
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
-from pagedref.kernels.splitk import (PARTITION_SIZE, SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS, min_ctas_per_sm,
-                                     threads_per_token)
+from pagedref.kernels.splitk import (MMA_HEAD_DIMS, MMA_MIN_CTAS_PER_SM, PARTITION_SIZE, SUPPORTED_BLOCK_SIZES,
+                                     SUPPORTED_HEAD_DIMS, min_ctas_per_sm, mma_supported, threads_per_token)
 
 CUDA_DIR = Path(os.environ.get("PAGEDREF_CUDA_DIR", Path(__file__).resolve().parents[2] / "cuda"))
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -46,6 +52,7 @@ class DecodeTuning:
     partition_size and threads_per_token change the arithmetic (and so the bits); the others
     change only how the same operations are scheduled."""
 
+    version: ClassVar[int] = 2  # the decode kernel these constants are for
     partition_size: int = PARTITION_SIZE
     unroll: int = 2  # tokens per software-pipeline step per thread
     threads_per_token: int | None = None  # None: splitk.threads_per_token's rule
@@ -54,8 +61,22 @@ class DecodeTuning:
     stages: int = 4  # depth of that ring
 
 
+@dataclass(frozen=True)
+class MmaTuning:
+    """The tensor-core decode kernel's (v3) fixed design constants, under the same rule: only
+    partition_size changes the arithmetic; min_ctas_per_sm, load_hint and prefetch only the schedule."""
+
+    version: ClassVar[int] = 3
+    partition_size: int = PARTITION_SIZE
+    min_ctas_per_sm: int | None = None  # __launch_bounds__ hint; None: splitk.MMA_MIN_CTAS_PER_SM[head_dim]
+    load_hint: bool = False  # K/V loads skip L1 and ask L2 for whole 256-byte rows
+    prefetch: bool = False  # each warp asks L2 for its slab after next (costs ~6 registers: take 3 CTAs per SM)
+
+
 def decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta: int,
-                  tuning: DecodeTuning = DecodeTuning()) -> KernelConfig:
+                  tuning: DecodeTuning | MmaTuning = DecodeTuning()) -> KernelConfig:
+    if isinstance(tuning, MmaTuning):
+        return mma_decode_config(dtype, head_dim, block_size, heads_per_cta, tuning)
     tpt = tuning.threads_per_token or threads_per_token(head_dim, ELEM_SIZE[dtype], heads_per_cta)
     min_ctas = tuning.min_ctas_per_sm or min_ctas_per_sm(ELEM_SIZE[dtype], heads_per_cta)
     return KernelConfig("paged_attention.cu", (
@@ -65,9 +86,22 @@ def decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta: int
         ("STAGES", tuning.stages)))
 
 
+def mma_decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta: int,
+                      tuning: MmaTuning = MmaTuning()) -> KernelConfig:
+    if not mma_supported(ELEM_SIZE[dtype], head_dim):
+        raise ValueError(f"the tensor-core decode kernel (v3) takes float16/bfloat16 K/V with head_dim in "
+                         f"{MMA_HEAD_DIMS}, got {dtype} with head_dim {head_dim}")
+    min_ctas = tuning.min_ctas_per_sm or MMA_MIN_CTAS_PER_SM[head_dim]
+    return KernelConfig("paged_attention.cu", (
+        ("PR_DTYPE", DTYPE_CODES[dtype]), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),
+        ("HEADS_PER_CTA", heads_per_cta), ("PARTITION_SIZE", tuning.partition_size), ("MIN_CTAS_PER_SM", min_ctas),
+        ("KV_LOAD_HINT", int(tuning.load_hint)), ("KV_PREFETCH", int(tuning.prefetch)), ("DECODE_MMA", 1)))
+
+
 # Candidate tunings the benchmark times at every shape and the GPU tests check (16-bit K/V, head_dim
-# 128: the cp.async rings of a float32 build can exceed 48 KB of static shared memory). Default first.
-CANDIDATES = {
+# 128: the cp.async rings of a float32 build can exceed 48 KB of static shared memory). Default first;
+# each tuning's `version` says which kernel it tunes.
+CANDIDATES: dict[str, DecodeTuning | MmaTuning] = {
     "default": DecodeTuning(),
     "registers p1024": DecodeTuning(partition_size=1024),
     "async u2 tpt16": DecodeTuning(unroll=2, threads_per_token=16, min_ctas_per_sm=6, async_copy=True),
@@ -77,6 +111,12 @@ CANDIDATES = {
                                          async_copy=True),
     "async u1 tpt8 p1024": DecodeTuning(partition_size=1024, unroll=1, threads_per_token=8, min_ctas_per_sm=4,
                                         async_copy=True),
+    "v3 mma": MmaTuning(),
+    "v3 mma p1024": MmaTuning(partition_size=1024),
+    "v3 mma hint": MmaTuning(load_hint=True),
+    "v3 mma p1024 hint": MmaTuning(partition_size=1024, load_hint=True),
+    "v3 mma prefetch": MmaTuning(prefetch=True, min_ctas_per_sm=3),  # 134 registers: 4 CTAs would spill
+    "v3 mma p1024 prefetch": MmaTuning(partition_size=1024, prefetch=True, min_ctas_per_sm=3),
 }
 
 
@@ -89,12 +129,16 @@ CACHE_OPS = KernelConfig("cache_ops.cu")
 
 
 def ci_configs() -> list[KernelConfig]:
-    """What CI compiles: every dtype x head_dim x block_size, plus every heads-per-CTA at bf16/128/16."""
+    """What CI compiles: every dtype x head_dim x block_size (and v3 where it applies), every
+    heads-per-CTA at bf16/128/16, every candidate tuning."""
     grid = itertools.product(DTYPE_CODES, SUPPORTED_HEAD_DIMS, SUPPORTED_BLOCK_SIZES)
     configs = [CACHE_OPS]
     for dtype, head_dim, block_size in grid:
         configs += [decode_config(dtype, head_dim, block_size, 4), prefill_config(dtype, head_dim, block_size)]
-    configs += [decode_config("bfloat16", 128, 16, g) for g in (1, 2, 3, 5, 6, 7, 8)]
+    configs += [mma_decode_config(dtype, head_dim, block_size, 4) for dtype in ("float16", "bfloat16")
+                for head_dim in MMA_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES]
+    configs += [decode_config("bfloat16", 128, 16, g, t) for g in (1, 2, 3, 5, 6, 7, 8)
+                for t in (DecodeTuning(), MmaTuning())]
     configs += [decode_config(dtype, 128, 16, 4, t) for dtype in ("float16", "bfloat16") for t in CANDIDATES.values()]
     return list(dict.fromkeys(configs))  # each once, in order
 
@@ -120,3 +164,20 @@ def print_ci_configs() -> None:
     """One line per CI configuration: FILE -DNAME=VALUE ... (read by .ci/compile_kernels.sh)."""
     for cfg in ci_configs():
         sys.stdout.write(" ".join((cfg.file, *cfg.options()[2:])) + "\n")
+
+
+def _compile(config: KernelConfig) -> None:
+    """Compile one config (fetching its first kernel makes CuPy compile the module and cache it on disk)."""
+    first = re.search(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(', config.source.read_text())
+    function(config, first.group(1))
+
+
+def precompile(configs: list[KernelConfig] | None = None, jobs: int | None = None) -> int:
+    """Compile `configs` (default: every CI configuration) in `jobs` spawned processes -> how many.
+
+    Each process holds its own CUDA context (CuPy compiles for the device it sees); CuPy's on-disk
+    cache (CUPY_CACHE_DIR, ~/.cupy/kernel_cache) is what the later processes share."""
+    configs = ci_configs() if configs is None else configs
+    with ProcessPoolExecutor(jobs or os.cpu_count(), mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_compile, configs, chunksize=2))
+    return len(configs)

@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
-# Everything of stage 5 that needs a GPU, in one device call: the GPU tests, compute-sanitizer
-# (memcheck and racecheck) over the self-check driver, and the kernel benchmark. Logs go to $OUT;
-# a short summary is printed last. Usage, from the repo root on the GPU machine:
+# Everything of stage 5 that needs a GPU, in one device call (a few minutes on an H200):
+#   1. every kernel configuration CI compiles, compiled in parallel into CuPy's on-disk cache (the
+#      later processes only load binaries instead of compiling ~200 modules one after another);
+#   2. a plain run of the self-check driver, then the kernel benchmark alone on the GPU (first, so a
+#      slow step after it cannot cost its numbers; v3 is left out of it if it failed the self-check);
+#   3. the GPU tests and compute-sanitizer memcheck + racecheck over the self-check driver, side by
+#      side (they check correctness only, so they may share the GPU).
+# Everything ends by DEADLINE seconds after the start (default 570: one device call may run 600); the
+# tests and sanitizers get whatever is left of it after the benchmark.
+# Logs go to $OUT; a summary and the benchmark's tables are printed last. Usage, from the repo root
+# on the GPU machine:
 #   bash pagedref/kernels/device_check.sh [benchmark options, e.g. --variants]
-# Environment: PYTEST_TIMEOUT, SANITIZER_TIMEOUT, BENCH_TIMEOUT (seconds), SANITIZER_TOOLS ("" skips).
+# Environment: DEADLINE, PRECOMPILE_TIMEOUT, SELFCHECK_TIMEOUT, BENCH_TIMEOUT, PYTEST_TIMEOUT,
+# SANITIZER_TIMEOUT (seconds), SANITIZER_TOOLS ("" skips), PYTEST_ARGS (more pytest arguments, e.g. "-k v3 -x").
 set -u
 OUT=${OUT:-/tmp/pagedref_device_check}
 mkdir -p "$OUT"
@@ -14,21 +23,52 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c 'import torch, cupy; print("torch", torch.__version__, "cupy", cupy.__version__)' | tee -a "$OUT/gpu.txt"
 
 t0=$SECONDS
-timeout "${PYTEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-  stages/05_paged_attention_kernel tests/test_kernels_gpu.py >"$OUT/pytest.log" 2>&1
+timeout "${PRECOMPILE_TIMEOUT:-100}" python3 -c \
+  'from pagedref.kernels.build import precompile; print(f"{precompile()} configurations compiled")' \
+  >"$OUT/precompile.log" 2>&1
 rc=$?
-grep -E "^(FAILED|ERROR)|Error|error" "$OUT/pytest.log" | head -n 40
-summary+=("pytest: $(tail -n 1 "$OUT/pytest.log") (rc=$rc, $((SECONDS - t0)) s)")
+summary+=("precompile: $(tail -n 1 "$OUT/precompile.log") (rc=$rc, $((SECONDS - t0)) s)")
 
+# A quick self-check first: a kernel that faults would end the benchmark's process and every number
+# in it, so a v3 that fails here is left out of the benchmark (the tests below say what is wrong).
+t0=$SECONDS
+timeout "${SELFCHECK_TIMEOUT:-60}" python3 -m pagedref.kernels.selfcheck >"$OUT/selfcheck.log" 2>&1
+rc=$?
+summary+=("selfcheck (no sanitizer): $(tail -n 1 "$OUT/selfcheck.log") (rc=$rc, $((SECONDS - t0)) s)")
+skip=""
+if [ $rc -ne 0 ]; then skip="--skip-version 3"; fi
+
+t0=$SECONDS
+timeout "${BENCH_TIMEOUT:-200}" python3 -m pagedref.bench kernel --json "$OUT/bench.json" $skip "$@" \
+  >"$OUT/bench.txt" 2>&1
+summary+=("bench $skip: rc=$?, $((SECONDS - t0)) s")
+
+left=$(( ${DEADLINE:-570} - SECONDS ))
+if [ $left -lt 30 ]; then left=30; fi  # (timeout 0 would mean no limit at all)
+t0=$SECONDS
+names=(pytest)
+# shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
+timeout "${PYTEST_TIMEOUT:-$left}" python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} \
+  stages/05_paged_attention_kernel tests/test_kernels_gpu.py >"$OUT/pytest.log" 2>&1 &
+pids=($!)
 for tool in ${SANITIZER_TOOLS-memcheck racecheck}; do
-  t0=$SECONDS
-  timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
-    python3 -m pagedref.kernels.selfcheck >"$OUT/$tool.log" 2>&1
-  rc=$?
-  summary+=("$tool: $(grep -h 'SUMMARY' "$OUT/$tool.log" | tail -n 1); $(grep -h '^selfcheck' "$OUT/$tool.log") (rc=$rc, $((SECONDS - t0)) s)")
+  timeout "${SANITIZER_TIMEOUT:-$left}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+    python3 -m pagedref.kernels.selfcheck >"$OUT/$tool.log" 2>&1 &
+  pids+=($!)
+  names+=("$tool")
 done
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}"
+  rc=$?
+  name=${names[$i]}
+  if [ "$name" = pytest ]; then
+    summary+=("pytest: $(tail -n 1 "$OUT/pytest.log") (rc=$rc)")
+  else
+    summary+=("$name: $(grep -h 'SUMMARY' "$OUT/$name.log" | tail -n 1); $(grep -h '^selfcheck' "$OUT/$name.log") (rc=$rc)")
+  fi
+done
+summary+=("tests and sanitizers, side by side: $((SECONDS - t0)) s")
 
-timeout "${BENCH_TIMEOUT:-300}" python3 -m pagedref.bench kernel --json "$OUT/bench.json" "$@" >"$OUT/bench.txt" 2>&1
-summary+=("bench: rc=$?")
-cat "$OUT/bench.txt" | tail -n 30
+grep -hE "^(FAILED|ERROR)|^FAIL |Error" "$OUT/pytest.log" "$OUT"/memcheck.log "$OUT"/racecheck.log 2>/dev/null | head -n 30
 printf '%s\n' "${summary[@]}"
+tail -n 40 "$OUT/bench.txt"

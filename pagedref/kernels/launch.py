@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from pagedref.kernels import build, validate
-from pagedref.kernels.splitk import NUM_THREADS, PREFILL_ROWS, heads_per_cta, num_partitions
+from pagedref.kernels.splitk import NUM_THREADS, PREFILL_ROWS, heads_per_cta, mma_supported, num_partitions
 
 _STATIC_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
@@ -57,20 +57,22 @@ def _dtype_name(t: torch.Tensor) -> str:
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                            max_context_len: int | None = None, out: torch.Tensor | None = None,
-                           version: int = 2, tuning: build.DecodeTuning = build.DecodeTuning(),
+                           version: int = 2, tuning: build.DecodeTuning | build.MmaTuning | None = None,
                            check: bool = True) -> torch.Tensor:
     """Decode attention: row s of q is sequence s's one new token -> [num_seqs, num_heads, head_dim].
 
     q [num_seqs, num_heads, head_dim]; k/v_cache [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables [num_seqs, max_blocks] int32; context_lens [num_seqs] int32.
-    version 1 is the textbook kernel, 2 the split-K one. `tuning` holds the kernel's fixed design
-    constants, exposed for benchmark experiments only: they must never be chosen from the batch.
+    version 1 is the textbook kernel, 2 the split-K one, 3 split-K on the tensor cores (float16 /
+    bfloat16 with head_dim 64, 128 or 256; any other dtype or head_dim runs version 2 with its
+    default tuning: a choice made from the model's shapes, never from the batch). `tuning` holds
+    the kernel's fixed design constants (a DecodeTuning for versions 1 and 2, an MmaTuning for 3;
+    None: the default), exposed for benchmark experiments only: never chosen from the batch.
     """
     shape = validate.check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if q.shape[0] != shape.num_seqs:
         raise ValueError(f"decode takes one query row per sequence: q has {q.shape[0]} rows for {shape.num_seqs} sequences")
-    if version not in (1, 2):
-        raise ValueError(f"version must be 1 or 2, got {version}")
+    version, tuning = _decode_kernel(version, tuning, q.element_size(), shape.head_dim)
     validate.require_cuda(q, "q")
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if shape.num_seqs else 0
@@ -88,7 +90,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                          f"{_MAX_GRID_YZ} are supported")
     if shape.num_seqs > _MAX_GRID_YZ:
         raise ValueError(f"{shape.num_seqs} sequences in one decode launch; at most {_MAX_GRID_YZ} are supported")
-    hpc = heads_per_cta(shape.num_heads, shape.num_kv_heads) if version == 2 else 1
+    hpc = heads_per_cta(shape.num_heads, shape.num_kv_heads) if version >= 2 else 1
     config = build.decode_config(_dtype_name(q), shape.head_dim, shape.block_size, hpc, tuning)
     common = (_ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(context_lens), np.int32(shape.max_blocks),
               np.int32(shape.num_heads), np.int32(shape.num_kv_heads))
@@ -100,7 +102,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tmp_out = torch.empty((shape.num_seqs, shape.num_heads, max_parts, shape.head_dim), **f32)
     max_logits = torch.empty((shape.num_seqs, shape.num_heads, max_parts), **f32)
     exp_sums = torch.empty_like(max_logits)
-    _launch(config, "paged_attention_v2", q.device, (shape.num_heads // hpc, max_parts, shape.num_seqs),
+    _launch(config, f"paged_attention_v{version}", q.device, (shape.num_heads // hpc, max_parts, shape.num_seqs),
             (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(q), *common,
              np.int32(max_parts), np.float32(scale)))
     if max_parts > 1:
@@ -108,6 +110,20 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                 (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(context_lens),
                  np.int32(shape.num_heads), np.int32(max_parts)))
     return out
+
+
+def _decode_kernel(version: int, tuning, elem_size: int, head_dim: int):
+    """(version, tuning) to run: the defaults filled in, v3 -> v2 where v3 does not apply."""
+    tunings = {1: build.DecodeTuning, 2: build.DecodeTuning, 3: build.MmaTuning}
+    if version not in tunings:
+        raise ValueError(f"version must be 1, 2 or 3, got {version}")
+    if tuning is None:
+        tuning = tunings[version]()
+    if not isinstance(tuning, tunings[version]):
+        raise TypeError(f"version {version} takes a {tunings[version].__name__} as tuning, got {type(tuning).__name__}")
+    if version == 3 and not mma_supported(elem_size, head_dim):
+        return 2, build.DecodeTuning()
+    return version, tuning
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

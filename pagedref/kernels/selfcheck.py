@@ -2,7 +2,8 @@
 
 One idea: memcheck and racecheck slow a program down a hundredfold, so they get one launch of each
 kernel on small sizes that still reach every code path (several partitions and a partial one, a
-partial prefill tile, GQA, each dtype, v1 and v2, both pool writes) and nothing else.
+partial prefill tile, GQA, each dtype, v1, v2 and v3 with every candidate tuning, every block size
+and head_dim v3 takes, both pool writes) and nothing else.
 
 Invariant: exits non-zero if any result is wrong, so a clean sanitizer report over a failing run
 cannot pass for success. Usage: `python -m pagedref.kernels.selfcheck`.
@@ -30,22 +31,30 @@ def run_decode(p: testing.PagedProblem, **kw) -> torch.Tensor:
 
 
 def check_attention() -> list[str]:
-    failures = []
+    from pagedref.kernels.build import CANDIDATES
+
+    runs = []  # (label, problem, launch)
     for dtype, head_dim, block_size in ((torch.float32, 64, 16), (torch.float16, 8, 8), (torch.bfloat16, 128, 32)):
         kw = dict(num_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=dtype)
         pre = testing.make_problem([1, 530, 1100], [1, 5, 20], **kw)  # partial tiles, several key tiles
         dec = testing.make_problem([1, 530, 1100], **kw)  # 1, 2 and 3 partitions, two of them partial
-        runs = [("prefill", pre, lambda: run_prefill(pre)),
-                ("decode v1", dec, lambda: run_decode(dec, version=1)),
-                ("decode v2", dec, lambda: run_decode(dec, version=2))]
+        label = f"{dtype} head_dim={head_dim}"
+        runs += [(f"prefill {label}", pre, lambda p=pre: run_prefill(p))]
+        runs += [(f"decode v{v} {label}", dec, lambda p=dec, v=v: run_decode(p, version=v)) for v in (1, 2, 3)]
         if dtype != torch.float32:
-            from pagedref.kernels.build import CANDIDATES
-
-            runs += [(f"decode {name}", dec, lambda t=t: run_decode(dec, tuning=t)) for name, t in CANDIDATES.items()]
-        for name, p, run in runs:
-            err = testing.max_rel_err(run(), testing.oracle(p), p)
-            if not err <= TOL[dtype]:
-                failures.append(f"{name} {dtype} head_dim={head_dim}: norm-relative error {err:.2e}")
+            runs += [(f"decode {name} {label}", dec, lambda p=dec, t=t: run_decode(p, version=t.version, tuning=t))
+                     for name, t in CANDIDATES.items()]
+    # v3's other shapes: block_size 8 (a 16-token slab spans two blocks), head_dim 64 and 256, 3 and
+    # 8 query heads per CTA (empty mma columns; all eight used).
+    for dtype, head_dim, block_size, num_heads in ((torch.float16, 64, 8, 6), (torch.bfloat16, 256, 16, 16)):
+        dec = testing.make_problem([1, 530, 1100], num_heads=num_heads, num_kv_heads=2, head_dim=head_dim,
+                                   block_size=block_size, dtype=dtype)
+        runs += [(f"decode v3 {dtype} head_dim={head_dim}", dec, lambda p=dec: run_decode(p, version=3))]
+    failures = []
+    for label, p, run in runs:
+        err = testing.max_rel_err(run(), testing.oracle(p), p)
+        if not err <= TOL[p.q.dtype]:
+            failures.append(f"{label}: norm-relative error {err:.2e}")
     return failures
 
 

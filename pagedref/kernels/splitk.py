@@ -78,6 +78,17 @@ def min_ctas_per_sm(elem_size: int, heads: int) -> int:
     return 4 if elem_size == 2 and heads * elements_per_thread(heads) <= 64 else 1
 
 
+# v3, the tensor-core decode kernel: 16-bit K/V and head_dim a multiple of 64 only (its mma
+# fragments cover 32-dim K slices and 64-dim V bands); elsewhere the launcher runs v2.
+MMA_HEAD_DIMS = (64, 128, 256)
+MMA_MIN_CTAS_PER_SM = {64: 6, 128: 4, 256: 2}  # as many CTAs as fit with no register spill (ptxas -v)
+
+
+def mma_supported(elem_size: int, head_dim: int) -> bool:
+    """Whether the tensor-core decode kernel (v3) handles this K/V element size and head_dim."""
+    return elem_size == 2 and head_dim in MMA_HEAD_DIMS
+
+
 def softmax_stats(q: np.ndarray, k: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
     """Per query head: the largest logit m and the exp-sum l = sum(exp(logit - m)) over these keys.
 
