@@ -13,6 +13,7 @@ an unknown sampling field or a model that cannot be found is an argparse-style e
     python -m pagedref.generate --model ../shared/models/stories260K --prompt "Once upon a time" \\
         --temperature 0 --max-tokens 200
     python -m pagedref.generate --prompts-file prompts.jsonl --json
+    python -m pagedref.generate --tensor-parallel-size 2   # the model split over 2 processes (GPUs on cuda)
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N processes (N GPUs on cuda; gloo processes on the CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON document (completions and summary) instead of text")
     return p
 
@@ -79,7 +82,7 @@ def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     """Flag values the engine would refuse, refused here with the flag's own name."""
     positive = {"--max-tokens": args.max_tokens, "-n": args.n, "--block-size": args.block_size,
                 "--max-model-len": args.max_model_len, "--max-num-seqs": args.max_num_seqs,
-                "--max-num-batched-tokens": args.max_num_batched_tokens}
+                "--max-num-batched-tokens": args.max_num_batched_tokens, "--tensor-parallel-size": args.tensor_parallel_size}
     for flag, value in positive.items():
         if value is not None and value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
@@ -326,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
             enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
-            seed=args.seed,
+            seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         )
         start = time.perf_counter()
         outputs = llm.generate([s.prompt for s in specs], params, use_tqdm=True)
@@ -334,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     except (TypeError, ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     summary = summarize(llm.get_stats(), len(specs), elapsed)
+    llm.close()  # frees the KV cache; with --tensor-parallel-size, stops the worker processes
     if args.json:
         meta = {"model": str(model_dir), "device": device, "dtype": dtype}
         print(json.dumps(to_json(outputs, summary, meta), indent=2, ensure_ascii=False))

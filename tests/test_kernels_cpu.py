@@ -77,7 +77,7 @@ def test_ci_config_listing_is_what_the_compile_script_reads():
 
 
 def test_candidate_tunings_differ_only_in_scheduling_or_stated_arithmetic():
-    assert build.CANDIDATES["default"] == build.DecodeTuning()
+    assert build.CANDIDATES["default"] == build.MmaTuning()
     assert all(t.partition_size % 32 == 0 for t in build.CANDIDATES.values())
 
 

@@ -26,6 +26,7 @@ import functools
 import itertools
 import random
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -317,6 +318,10 @@ class LLM:
     from gpu_memory_utilization (CUDA, by profiling) or `cpu_kv_cache_bytes` (CPU). The contiguous
     baseline has no prefix caching, no n > 1 and no beam search: it cannot share blocks.
 
+    `tensor_parallel_size=N` splits the model and its KV cache over N processes (one GPU each on CUDA,
+    gloo processes on the CPU); this process is rank 0 and starts the others (`pagedref.distributed`),
+    or joins them under torchrun. `close()` stops them.
+
     `record_logits=True` keeps each token's logits in `CompletionOutput.logits` (for tests).
     `scheduler_cls` / `block_manager_cls` (vLLM's SchedulerConfig has `scheduler_cls` too) build the
     engine around other implementations of stage 6's classes: the course grades a learner's with them.
@@ -343,8 +348,10 @@ class LLM:
         record_logits: bool = False,
         scheduler_cls: type = Scheduler,
         block_manager_cls: type = BlockManager,
+        tensor_parallel_size: int = 1,
     ) -> None:
         from pagedref.backends import get_backend
+        from pagedref.distributed import TPGroup, check_tensor_parallel_size
         from pagedref.models import ModelConfig, load_model, load_tokenizer, resolve_dtype
 
         device = _check_device(device)
@@ -364,6 +371,8 @@ class LLM:
             raise ValueError(f"swap_space must be >= 0 (GiB), got {swap_space}")
 
         config = ModelConfig.from_pretrained(model)  # config.json, architecture: before anything heavy
+        check_tensor_parallel_size(config, tensor_parallel_size)
+        tp_size = tensor_parallel_size
         max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len
         _check_positive("max_model_len", max_model_len)
         if max_model_len > config.max_position_embeddings:
@@ -378,40 +387,55 @@ class LLM:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} < max_model_len={max_model_len}: "
                              "without chunked prefill a whole prompt must fit in one step")
         tokenizer = load_tokenizer(model)
-        weights = load_model(model, device=device, dtype=torch_dtype, batch_invariant=(device == "cpu"))
-        backend = get_backend("reference" if device == "cpu" else "cuda")
+        workers = None
+        if tp_size > 1:  # ranks 1..N-1: started here (or by torchrun), each loads its own shard
+            from pagedref.distributed.worker import WorkerSpec, start_workers
 
-        block_bytes = kv_block_bytes(config, block_size, torch_dtype)
-        blocks_per_seq = cdiv(max_model_len, block_size)
-        if num_kv_blocks is None:
-            if device == "cpu":
-                where = f"cpu_kv_cache_bytes={cpu_kv_cache_bytes}"
-                num_kv_blocks = min(num_blocks_from_budget(cpu_kv_cache_bytes, block_bytes), max_num_seqs * blocks_per_seq)
+            workers = start_workers(WorkerSpec(str(model), device, torch_dtype, device == "cpu"), tp_size)
+        try:  # from here on, a failure must stop the workers it started
+            weights = load_model(model, device=device, dtype=torch_dtype, batch_invariant=(device == "cpu"),
+                                 tp=workers.tp if workers else TPGroup())
+            backend = get_backend("reference" if device == "cpu" else "cuda")
+
+            block_bytes = kv_block_bytes(config, block_size, torch_dtype, tp_size)  # one rank's share
+            blocks_per_seq = cdiv(max_model_len, block_size)
+            if num_kv_blocks is None:
+                if device == "cpu":
+                    where = f"cpu_kv_cache_bytes={cpu_kv_cache_bytes}"
+                    num_kv_blocks = min(num_blocks_from_budget(cpu_kv_cache_bytes, block_bytes), max_num_seqs * blocks_per_seq)
+                else:
+                    where = f"gpu_memory_utilization={gpu_memory_utilization}"
+                    profile = workers.profile_num_blocks if workers else profile_num_gpu_blocks  # TP: every GPU, the min
+                    num_kv_blocks = profile(weights, backend, block_size, max_num_batched_tokens, max_num_seqs,
+                                            max_model_len, gpu_memory_utilization, device, torch_dtype)
             else:
-                where = f"gpu_memory_utilization={gpu_memory_utilization}"
-                num_kv_blocks = profile_num_gpu_blocks(weights, backend, block_size, max_num_batched_tokens, max_num_seqs,
-                                                       max_model_len, gpu_memory_utilization, device, torch_dtype)
-        else:
-            where = f"num_kv_blocks={num_kv_blocks}"
-        if num_kv_blocks < blocks_per_seq:
-            raise ValueError(f"the KV pool ({where}: {num_kv_blocks} blocks of {block_size} tokens) cannot hold one "
-                             f"sequence of max_model_len={max_model_len} ({blocks_per_seq} blocks): give it more memory "
-                             "or lower max_model_len")
-        num_cpu_blocks = 0
-        if preemption_mode == "swap" and kv_cache == "paged":
-            # At most the device pool: nothing new is admitted while a sequence is swapped out, so swapped
-            # sequences stay few; when the CPU pool is full the scheduler preempts by recompute instead.
-            num_cpu_blocks = min(num_blocks_from_budget(swap_space * GiB, block_bytes), num_kv_blocks)
-        if kv_cache == "paged":
-            block_manager = block_manager_cls(num_kv_blocks, block_size, max_model_len, enable_prefix_caching, num_cpu_blocks)
-        else:
-            block_manager = ContiguousBlockManager(num_kv_blocks, block_size, max_model_len)
-        scheduler = scheduler_cls(SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode),
-                              block_manager)
-        runner = ModelRunner(weights, backend, block_manager, num_kv_blocks, block_size, device, torch_dtype, num_cpu_blocks)
-        self.llm_engine = LLMEngine(weights, tokenizer, runner, scheduler, max_model_len, seed, record_logits)
-        self.num_kv_blocks = num_kv_blocks
-        self.kv_cache = kv_cache
+                where = f"num_kv_blocks={num_kv_blocks}"
+            if num_kv_blocks < blocks_per_seq:
+                raise ValueError(f"the KV pool ({where}: {num_kv_blocks} blocks of {block_size} tokens) cannot hold one "
+                                 f"sequence of max_model_len={max_model_len} ({blocks_per_seq} blocks): give it more memory "
+                                 "or lower max_model_len")
+            num_cpu_blocks = 0
+            if preemption_mode == "swap" and kv_cache == "paged":
+                # At most the device pool: nothing new is admitted while a sequence is swapped out, so swapped
+                # sequences stay few; when the CPU pool is full the scheduler preempts by recompute instead.
+                num_cpu_blocks = min(num_blocks_from_budget(swap_space * GiB, block_bytes), num_kv_blocks)
+            if kv_cache == "paged":
+                block_manager = block_manager_cls(num_kv_blocks, block_size, max_model_len, enable_prefix_caching, num_cpu_blocks)
+            else:
+                block_manager = ContiguousBlockManager(num_kv_blocks, block_size, max_model_len)
+            scheduler = scheduler_cls(SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode),
+                                  block_manager)
+            make_runner = workers.driver_runner if workers else ModelRunner
+            runner = make_runner(weights, backend, block_manager, num_kv_blocks, block_size, device, torch_dtype, num_cpu_blocks)
+            self.llm_engine = LLMEngine(weights, tokenizer, runner, scheduler, max_model_len, seed, record_logits)
+            self.num_kv_blocks = num_kv_blocks
+            self.kv_cache = kv_cache
+        except BaseException:
+            if workers is not None:
+                workers.close()
+            raise
+        if workers is not None:
+            weakref.finalize(self, workers.close)  # an LLM dropped without close() still stops its workers
         self._request_ids = itertools.count()
 
     # --- vLLM's offline API ---------------------------------------------------------------------

@@ -44,16 +44,18 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
-def kv_block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block in every layer: K and V, [block_size, num_kv_heads, head_dim] each."""
+def kv_block_bytes(config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of one block in every layer: K and V, [block_size, num_kv_heads, head_dim] each
+    (on one rank of tp_size: its num_kv_heads / tp_size heads)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
+    return 2 * config.num_hidden_layers * block_size * (config.num_key_value_heads // tp_size) * config.head_dim * elem
 
 
-def allocate_kv_caches(config, num_blocks: int, block_size: int, dtype: torch.dtype, device, pin: bool = False):
-    """One (k_cache, v_cache) per layer, each [num_blocks, block_size, num_kv_heads, head_dim]. On the CPU
-    they start as NaN: a slot read before it was written would poison the logits, so tests would see it."""
-    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+def allocate_kv_caches(config, num_blocks: int, block_size: int, dtype: torch.dtype, device, pin: bool = False,
+                       tp_size: int = 1):
+    """One (k_cache, v_cache) per layer, each [num_blocks, block_size, num_kv_heads / tp_size, head_dim]. On the
+    CPU they start as NaN: a slot read before it was written would poison the logits, so tests would see it."""
+    shape = (num_blocks, block_size, config.num_key_value_heads // tp_size, config.head_dim)
     caches = []
     for _ in range(config.num_hidden_layers):
         if torch.device(device).type == "cpu":
@@ -74,16 +76,19 @@ class StepInput:
 
 
 class ModelRunner:
+    """One rank's KV pools and steps. Under tensor parallelism (tp_size > 1) the pools hold this rank's
+    KV heads only, and `pagedref.distributed.worker` drives the other ranks through `run_model`."""
+
     def __init__(self, model, backend, block_manager, num_blocks: int, block_size: int, device, dtype: torch.dtype,
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, tp_size: int = 1) -> None:
         self.model = model
         self.backend = backend
         self.block_manager = block_manager
         self.block_size = block_size
         self.device = torch.device(device)
-        self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, dtype, device)
+        self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, dtype, device, tp_size=tp_size)
         pin = self.device.type == "cuda"
-        self.cpu_caches = allocate_kv_caches(model.config, num_cpu_blocks, block_size, dtype, "cpu", pin) \
+        self.cpu_caches = allocate_kv_caches(model.config, num_cpu_blocks, block_size, dtype, "cpu", pin, tp_size) \
             if num_cpu_blocks else []
         self.sampler = Sampler()
 
@@ -157,11 +162,16 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, StepInput]:
         """Run the step. Returns the logits [num sampling sequences, vocab] (float32) and the step input."""
         step = self.prepare(sched)
-        self.copy_blocks(sched)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.backend)  # [T, hidden]
+        hidden = self.run_model(step.input_ids, step.positions, step.meta, sched)  # [T, hidden]
         rows = torch.tensor(step.sample_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[rows]) if step.sample_rows else hidden.new_empty((0, 0))
         return logits, step
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                  blocks: SchedulerOutput) -> torch.Tensor:
+        """The step's block operations, then the forward pass: what every tensor-parallel rank runs."""
+        self.copy_blocks(blocks)
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
 
     def sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
         return self.sampler(logits, rows, seqs)
@@ -191,7 +201,8 @@ def profile_num_gpu_blocks(model, backend, block_size: int, max_num_batched_toke
         lens.append(min(left, max_model_len))
         left -= lens[-1]
     blocks_per = [cdiv(n, block_size) for n in lens]
-    caches = allocate_kv_caches(model.config, sum(blocks_per), block_size, dtype, device)
+    tp_size = model.tp.size  # a rank's share of the model and of its KV heads
+    caches = allocate_kv_caches(model.config, sum(blocks_per), block_size, dtype, device, tp_size=tp_size)
     tables = torch.full((len(lens), max(blocks_per)), -1, dtype=torch.int32)
     first, slots = 0, []
     for i, (n, nb) in enumerate(zip(lens, blocks_per)):
@@ -216,4 +227,4 @@ def profile_num_gpu_blocks(model, backend, block_size: int, max_num_batched_toke
     free, total = torch.cuda.mem_get_info(device)
     others = total - free - torch.cuda.memory_reserved(device)  # CUDA context, CuPy's pool, other processes
     kv_bytes = total * gpu_memory_utilization - (peak - profile_cache_bytes) - others
-    return num_blocks_from_budget(kv_bytes, kv_block_bytes(model.config, block_size, dtype))
+    return num_blocks_from_budget(kv_bytes, kv_block_bytes(model.config, block_size, dtype, tp_size))

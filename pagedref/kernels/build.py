@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from pagedref.kernels.splitk import (MMA_HEAD_DIMS, MMA_MIN_CTAS_PER_SM, PARTITION_SIZE, SUPPORTED_BLOCK_SIZES,
-                                     SUPPORTED_HEAD_DIMS, min_ctas_per_sm, mma_supported, threads_per_token)
+from pagedref.kernels.splitk import (MMA_HEAD_DIMS, MMA_MIN_CTAS_PER_SM, MMA_PARTITION_SIZE, PARTITION_SIZE,
+                                     SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS, min_ctas_per_sm, mma_supported, threads_per_token)
 
 CUDA_DIR = Path(os.environ.get("PAGEDREF_CUDA_DIR", Path(__file__).resolve().parents[2] / "cuda"))
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -67,7 +67,7 @@ class MmaTuning:
     partition_size changes the arithmetic; min_ctas_per_sm, load_hint and prefetch only the schedule."""
 
     version: ClassVar[int] = 3
-    partition_size: int = PARTITION_SIZE
+    partition_size: int = MMA_PARTITION_SIZE
     min_ctas_per_sm: int | None = None  # __launch_bounds__ hint; None: splitk.MMA_MIN_CTAS_PER_SM[head_dim]
     load_hint: bool = False  # K/V loads skip L1 and ask L2 for whole 256-byte rows
     prefetch: bool = False  # each warp asks L2 for its slab after next (costs ~6 registers: take 3 CTAs per SM)
@@ -102,21 +102,21 @@ def mma_decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta:
 # 128: the cp.async rings of a float32 build can exceed 48 KB of static shared memory). Default first;
 # each tuning's `version` says which kernel it tunes.
 CANDIDATES: dict[str, DecodeTuning | MmaTuning] = {
-    "default": DecodeTuning(),
-    "registers p1024": DecodeTuning(partition_size=1024),
-    "async u2 tpt16": DecodeTuning(unroll=2, threads_per_token=16, min_ctas_per_sm=6, async_copy=True),
-    "async u4 tpt16": DecodeTuning(unroll=4, threads_per_token=16, min_ctas_per_sm=5, async_copy=True),
-    "async u1 tpt8": DecodeTuning(unroll=1, threads_per_token=8, min_ctas_per_sm=5, async_copy=True),
-    "async u2 tpt16 p1024": DecodeTuning(partition_size=1024, unroll=2, threads_per_token=16, min_ctas_per_sm=6,
-                                         async_copy=True),
-    "async u1 tpt8 p1024": DecodeTuning(partition_size=1024, unroll=1, threads_per_token=8, min_ctas_per_sm=4,
-                                        async_copy=True),
-    "v3 mma": MmaTuning(),
-    "v3 mma p1024": MmaTuning(partition_size=1024),
+    "default": MmaTuning(),  # v3 on the tensor cores, 1024-token partitions: what the engine runs
+    "v2 registers": DecodeTuning(),  # v2's default (and the fallback for float32 and other head dims)
+    "v2 registers p1024": DecodeTuning(partition_size=1024),
+    "v2 async u2 tpt16": DecodeTuning(unroll=2, threads_per_token=16, min_ctas_per_sm=6, async_copy=True),
+    "v2 async u4 tpt16": DecodeTuning(unroll=4, threads_per_token=16, min_ctas_per_sm=5, async_copy=True),
+    "v2 async u1 tpt8": DecodeTuning(unroll=1, threads_per_token=8, min_ctas_per_sm=5, async_copy=True),
+    "v2 async u2 tpt16 p1024": DecodeTuning(partition_size=1024, unroll=2, threads_per_token=16, min_ctas_per_sm=6,
+                                            async_copy=True),
+    "v2 async u1 tpt8 p1024": DecodeTuning(partition_size=1024, unroll=1, threads_per_token=8, min_ctas_per_sm=4,
+                                           async_copy=True),
+    "v3 mma p512": MmaTuning(partition_size=512),
     "v3 mma hint": MmaTuning(load_hint=True),
-    "v3 mma p1024 hint": MmaTuning(partition_size=1024, load_hint=True),
+    "v3 mma p512 hint": MmaTuning(partition_size=512, load_hint=True),
     "v3 mma prefetch": MmaTuning(prefetch=True, min_ctas_per_sm=3),  # 134 registers: 4 CTAs would spill
-    "v3 mma p1024 prefetch": MmaTuning(partition_size=1024, prefetch=True, min_ctas_per_sm=3),
+    "v3 mma p512 prefetch": MmaTuning(partition_size=512, prefetch=True, min_ctas_per_sm=3),
 }
 
 

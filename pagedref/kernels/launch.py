@@ -57,7 +57,7 @@ def _dtype_name(t: torch.Tensor) -> str:
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                            max_context_len: int | None = None, out: torch.Tensor | None = None,
-                           version: int = 2, tuning: build.DecodeTuning | build.MmaTuning | None = None,
+                           version: int = 3, tuning: build.DecodeTuning | build.MmaTuning | None = None,
                            check: bool = True) -> torch.Tensor:
     """Decode attention: row s of q is sequence s's one new token -> [num_seqs, num_heads, head_dim].
 

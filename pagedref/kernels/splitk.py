@@ -22,6 +22,7 @@ import numpy as np
 from pagedref.attention import attend_row, compute_dtype
 
 PARTITION_SIZE = 512  # tokens per split-K partition: fixed, so results are batch-invariant
+MMA_PARTITION_SIZE = 1024  # the same for the tensor-core kernel (v3): fastest on the H200 (docs/benchmarks.md)
 NUM_THREADS = 128  # threads per CTA of every attention kernel
 MAX_HEADS_PER_CTA = 8  # query heads of one GQA group served by one decode CTA (register budget)
 PREFILL_ROWS = 16  # query rows per prefill CTA (4 warps x 4 rows)

@@ -20,9 +20,14 @@ see). RoPE's cos/sin tables are computed once at load time, so a position's rota
 lookup, never a batch-shaped computation. With `batch_invariant=False` (the GPU path) the same
 operations run batched: fast, and invariant only up to rounding.
 
-Tensor parallelism (issue 7) fits without a rewrite: q/k/v/gate/up are separate column-parallel
-projections and o/down separate row-parallel ones, each loaded by name (`loader.load_weights`), and
-each attention layer derives its head counts from the config in one place.
+Tensor parallelism (`tp`, a `pagedref.distributed.TPGroup`; docs/tensor_parallel.md): q/k/v and
+gate/up are column-parallel layers (each rank computes its own heads and MLP columns), o and down
+row-parallel ones (each rank a partial sum, all-reduced), each loaded by name, and only its own
+slice (`loader.load_weights`). A rank attends with its own query heads over its own KV heads, so its
+KV cache holds only those heads, under the block table every rank shares. The embedding, the norms
+and lm_head are replicated. In the per-row mode the all-reduce runs per row too (it sits inside the
+row function), so a row's result still does not depend on the batch. With one rank (the default)
+every layer is exactly the nn.Linear it was.
 
 Invariant: for the same weights, `model(...)` followed by `compute_logits` equals Hugging Face
 transformers' forward pass to float32 rounding (tested to 1e-4 against `hf_reference.json`).
@@ -39,6 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedref.backends.metadata import AttentionMetadata
+from pagedref.distributed.layers import ColumnParallelLinear, RowParallelLinear
+from pagedref.distributed.parallel import TPGroup, check_tensor_parallel_size
 from pagedref.models.config import ModelConfig
 
 
@@ -143,21 +150,22 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, tp: TPGroup = TPGroup()):
         super().__init__()
-        # Heads held by this module. Under tensor parallelism each rank would hold num_heads / tp_size
-        # query heads and num_kv_heads / tp_size KV heads: these two lines are where that would go.
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # Heads held by this rank: its num_heads / tp query heads and the num_kv_heads / tp KV heads they
+        # read (rank r's query heads are the r-th slice, and so are the KV heads of their groups).
+        self.num_heads = config.num_attention_heads // tp.size
+        self.num_kv_heads = config.num_key_value_heads // tp.size
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
-        hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        # Column-parallel (split by output rows under TP): separate q, k, v so each loads by its own name.
-        self.q_proj = nn.Linear(hidden, q_size, bias=config.attention_bias, dtype=dtype)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias, dtype=dtype)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias, dtype=dtype)
-        # Row-parallel (split by input columns under TP, all-reduced after).
-        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias, dtype=dtype)
+        hidden, d = config.hidden_size, self.head_dim
+        q_size, kv_size = config.num_attention_heads * d, config.num_key_value_heads * d  # over all ranks
+        # Column-parallel (split by output rows, i.e. by heads): separate q, k, v so each loads by its own name.
+        self.q_proj = ColumnParallelLinear(hidden, q_size, config.attention_bias, dtype, tp)
+        self.k_proj = ColumnParallelLinear(hidden, kv_size, config.attention_bias, dtype, tp)
+        self.v_proj = ColumnParallelLinear(hidden, kv_size, config.attention_bias, dtype, tp)
+        # Row-parallel (split by input columns, all-reduced after).
+        self.o_proj = RowParallelLinear(q_size, hidden, config.o_proj_bias, dtype, tp)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [T, hidden] -> q [T, H, d], k [T, Hkv, d] (both rotated), v [T, Hkv, d]."""
@@ -171,12 +179,12 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, tp: TPGroup = TPGroup()):
         super().__init__()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias, dtype=dtype)  # column-parallel
-        self.up_proj = nn.Linear(hidden, inter, bias=bias, dtype=dtype)  # column-parallel
-        self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype)  # row-parallel
+        self.gate_proj = ColumnParallelLinear(hidden, inter, bias, dtype, tp)
+        self.up_proj = ColumnParallelLinear(hidden, inter, bias, dtype, tp)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -185,10 +193,10 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block. Split in two around attention, the one step that needs the other tokens."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, tp: TPGroup = TPGroup()):
         super().__init__()
-        self.self_attn = LlamaAttention(config, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.self_attn = LlamaAttention(config, dtype, tp)
+        self.mlp = LlamaMLP(config, dtype, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -203,11 +211,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, batch_invariant: bool = True):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, batch_invariant: bool = True,
+                 tp: TPGroup = TPGroup()):
         super().__init__()
         self.batch_invariant = batch_invariant
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(config)
 
@@ -226,12 +235,18 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama, Mistral and Qwen2 (they differ only in config: biases, tying, rope) with HF's parameter names."""
+    """Llama, Mistral and Qwen2 (they differ only in config: biases, tying, rope) with HF's parameter names.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, batch_invariant: bool = True):
+    `config` is always the whole model's; with `tp` of N ranks this module holds one rank's shard.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, batch_invariant: bool = True,
+                 tp: TPGroup = TPGroup()):
         super().__init__()
+        check_tensor_parallel_size(config, tp.size)
         self.config = config
-        self.model = LlamaModel(config, dtype, batch_invariant)
+        self.tp = tp
+        self.model = LlamaModel(config, dtype, batch_invariant, tp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.tie_weights()
 

@@ -8,9 +8,10 @@ missing file or tensor, or a shape that does not match the config, is an error n
 the model does not use (an `lm_head.weight` beside tied embeddings, old `rotary_emb.inv_freq`
 buffers) are ignored, as transformers does.
 
-Tensor parallelism (issue 7) slots in at `load_weights`: each parameter is read by its own name, so
-a rank would read only its slice (`safe_open(...).get_slice(name)`): rows of the column-parallel
-q/k/v/gate/up projections, columns of the row-parallel o/down projections.
+Tensor parallelism: a model built for one rank of N (`tp`) reads only its slice of each split
+parameter (`safe_open(...).get_slice(name)`, so no rank ever holds the whole matrix): the rank's rows
+of the column-parallel q/k/v/gate/up projections, its columns of the row-parallel o/down projections,
+as each layer's `shard_dims` says. The shape check is on the whole tensor, as with one rank.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pagedref.distributed.parallel import TPGroup
 from pagedref.models.config import ModelConfig, resolve_dtype
 from pagedref.models.llama import LlamaForCausalLM
 
@@ -56,16 +58,31 @@ def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
             where = INDEX_FILE if (Path(path) / INDEX_FILE).is_file() else SINGLE_FILE
             raise ValueError(f"checkpoint {Path(path) / where} has no tensor {name!r}")
         by_file.setdefault(files[name], []).append((name, param))
+    tp: TPGroup = getattr(model, "tp", TPGroup())
     for file, params in by_file.items():
         with safe_open(file, framework="pt") as f:
             for name, param in params:
-                tensor = f.get_tensor(name)
-                if tensor.shape != param.shape:
+                module, _, leaf = name.rpartition(".")
+                dim = getattr(model.get_submodule(module), "shard_dims", {}).get(leaf)  # None: not split
+                whole = list(param.shape)
+                if dim is not None:
+                    whole[dim] *= tp.size
+                tensor = f.get_slice(name)
+                if list(tensor.get_shape()) != whole:
                     raise ValueError(
-                        f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
-                        f"the config implies {tuple(param.shape)}"
+                        f"tensor {name!r} in {file.name} has shape {tuple(tensor.get_shape())}, "
+                        f"the config implies {tuple(whole)}"
                     )
-                param.copy_(tensor)  # casts to the model dtype and moves to its device
+                param.copy_(tensor[rank_slice(whole, dim, tp)])  # casts to the model dtype and moves to its device
+
+
+def rank_slice(shape: list[int], dim: int | None, tp: TPGroup) -> tuple[slice, ...]:
+    """The index of this rank's shard of a tensor of `shape` split along `dim` (everything when dim is None)."""
+    index = [slice(None)] * len(shape)
+    if dim is not None:
+        n = shape[dim] // tp.size
+        index[dim] = slice(tp.rank * n, (tp.rank + 1) * n)
+    return tuple(index)
 
 
 def load_model(
@@ -73,13 +90,15 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | str | None = torch.float32,
     batch_invariant: bool = True,
+    tp: TPGroup = TPGroup(),
 ) -> LlamaForCausalLM:
-    """The model in `path`, in eval mode with gradients off. dtype None or "auto" = the checkpoint's own."""
+    """The model in `path` (this rank's shard of it under `tp`), in eval mode with gradients off.
+    dtype None or "auto" = the checkpoint's own."""
     config = ModelConfig.from_pretrained(path)
     dtype = config.dtype if dtype is None or dtype == "auto" else resolve_dtype(dtype)
     checkpoint_files(path)  # fail on a missing weight file before allocating anything
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype=dtype, batch_invariant=batch_invariant)
+        model = LlamaForCausalLM(config, dtype=dtype, batch_invariant=batch_invariant, tp=tp)
     model.materialize(device)
     load_weights(model, path)
     return model.eval().requires_grad_(False)
