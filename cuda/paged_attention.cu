@@ -43,7 +43,8 @@
 //      and partials, but each warp streams 16-token slabs through two tensor-core products
 //      (mma.sync: S^T = K Q^T, O^T += V^T P^T) with a one-pass online softmax, so the instructions
 //      per byte drop ~4x and the loads of the next slab fly while this one is computed. Its own
-//      section below says how the fragments line up with plain 16-byte loads.
+//      section below says how the fragments line up with plain 16-byte loads. The default decode
+//      kernel (1024-token partitions) wherever it applies; v2 (512) everywhere else.
 //   Bit-level consequences: every reduction runs in an order fixed by (HEAD_DIM, PARTITION_SIZE,
 //   THREADS_PER_TOKEN, NUM_THREADS) and by token index only, so a sequence's result is the same
 //   bits whatever physical blocks hold its K/V, whatever else is in the batch, and however the
