@@ -103,8 +103,20 @@ def test_real_shapes_are_valid_configs(shape):
     assert params / 1e9 == pytest.approx({"llama-3.2-1b": 1.24, "llama-3.1-8b": 8.03}[shape], rel=0.01)
 
 
+def test_serve_tensor_parallel_side_by_side(model_dir, capsys):
+    """`pagedref-tp2` is the same engine over 2 processes (gloo on the CPU): same requests, same tokens."""
+    assert serve.main(["--device", "cpu", "--num-prompts", "3", "--input-len", "5", "--output-len", "3", "--systems",
+                       "pagedref,pagedref-tp2", "--model-dir", str(model_dir), "--json"]) == 0
+    (shape,) = json.loads(capsys.readouterr().out)["shapes"]
+    by = {r["system"]: r for r in shape["results"]}
+    assert set(by) == {"pagedref", "pagedref-tp2"}
+    for r in by.values():
+        assert r["skipped"] is None and r["requests"] == 3 and r["output_tokens"] == 9
+
+
 @pytest.mark.parametrize("args, named", [
     (["--systems", "pagedref,vllm"], "vllm"),
+    (["--systems", "pagedref-tp0"], "pagedref-tp0"),
     (["--model-shape", "llama-70b"], "llama-70b"),
     (["--num-prompts", "0"], "--num-prompts"),
     (["--num-kv-blocks", "4"], "--num-kv-blocks"),

@@ -223,11 +223,20 @@ def engine_args(device: str, dtype: str, num_kv_blocks: int | None, max_num_seqs
                 gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=False)
 
 
-def run_pagedref(model_dir: Path, reqs: list[BenchRequest], kv_cache: str, llm_kwargs: dict[str, Any], log=print) -> Result:
+def tp_size(system: str) -> int | None:
+    """`pagedref-tp2` -> 2: pagedref with its model and KV cache split over 2 GPUs (None: not such a name)."""
+    prefix = "pagedref-tp"
+    if system.startswith(prefix) and system[len(prefix):].isdigit() and int(system[len(prefix):]) >= 1:
+        return int(system[len(prefix):])
+    return None
+
+
+def run_pagedref(model_dir: Path, reqs: list[BenchRequest], kv_cache: str, llm_kwargs: dict[str, Any], log=print,
+                 name: str | None = None) -> Result:
     """One engine run over every request; the stats are the engine's own (counted from this generate)."""
     from pagedref import LLM, SamplingParams
 
-    name = "pagedref" if kv_cache == "paged" else "contiguous"
+    name = name or ("pagedref" if kv_cache == "paged" else "contiguous")
     llm = LLM(model=str(model_dir), kv_cache=kv_cache, **llm_kwargs)
     try:
         # Warm-up (kernel compilation, allocator): two short requests, not timed.
@@ -613,8 +622,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
             parser.error(f"--model-shape {s!r}: choose from {', '.join(SHAPES)}")
     systems = args.systems.split(",")
     for s in systems:
-        if s not in SYSTEMS:
-            parser.error(f"--systems: unknown system {s!r} (choose from {', '.join(SYSTEMS)})")
+        if s not in SYSTEMS and tp_size(s) is None:
+            parser.error(f"--systems: unknown system {s!r} (choose from {', '.join(SYSTEMS)}, or pagedref-tpN "
+                         "for pagedref with tensor_parallel_size=N)")
     if args.num_prompts is None:
         args.num_prompts = 100 if args.quick else 500
     if args.hf_time_limit is None:
@@ -655,6 +665,9 @@ def run_shape(args: argparse.Namespace, shape: str, systems: list[str], device: 
                 res = run_pagedref(model_dir, reqs, "paged" if system == "pagedref" else "contiguous",
                                    {**llm_kwargs, "num_kv_blocks": num_kv_blocks or None}, log)
                 num_kv_blocks = num_kv_blocks or res.kv_blocks  # profiled once: the same budget for the rest
+            elif tp_size(system) is not None:  # the same engine over N GPUs: each holds 1/N of every block
+                res = run_pagedref(model_dir, reqs, "paged", {**llm_kwargs, "num_kv_blocks": num_kv_blocks or None,
+                                                              "tensor_parallel_size": tp_size(system)}, log, system)
             elif system == "hf-static":
                 res = run_hf_static(model_dir, reqs, device, dtype, _budget_tokens(num_kv_blocks, args), args.hf_batch_size,
                                     args.hf_time_limit, log)
