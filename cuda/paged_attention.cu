@@ -519,30 +519,8 @@ static_assert(G <= 8, "v3 serves at most 8 query heads per CTA: the N of one mma
 constexpr int SLAB = 16;            // tokens per warp step: the M of QK^T, the K of p.V
 constexpr int KCH = HEAD_DIM / 32;  // K: 16-byte slices per lane per token row (two rows per lane)
 constexpr int VCH = HEAD_DIM / 64;  // V: 64-dim bands (four token rows per lane)
-constexpr float LOG2E = 1.4426950408889634f;
-constexpr float LN2 = 0.6931471805599453f;
+constexpr float LN2 = 0.6931471805599453f;  // LOG2E, mma_16816, pack2, exp2_approx: common.cuh
 
-#if PR_DTYPE == 2
-#define PR_MMA_T "bf16"
-#else
-#define PR_MMA_T "f16"
-#endif
-
-// d += A B: A 16x16 row-major, B 16x8 column-major, 16-bit inputs, fp32 accumulators.
-__device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                          unsigned b0, unsigned b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32." PR_MMA_T "." PR_MMA_T ".f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Two floats -> one word of two 16-bit values (lo in the low half), round to nearest even.
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn." PR_MMA_T "x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
 
 // The warp's 8x8 matrix X of 16-bit values, lane (grp, tig) holding X[grp][2tig] (low half) and
 // X[grp][2tig + 1] -> its transpose in the same layout: X[2tig][grp] and X[2tig + 1][grp], which
@@ -554,11 +532,6 @@ __device__ __forceinline__ unsigned transpose_8x8(unsigned x, int grp, int tig) 
   return __byte_perm(a, b, grp % 2 ? 0x7632 : 0x5410);
 }
 
-__device__ __forceinline__ float exp2_approx(float x) {  // 2^x; 2^-inf = +0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 __device__ __forceinline__ unsigned word(const uint4 &u, int i) {  // i is a constant after unrolling
   return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;

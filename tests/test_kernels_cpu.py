@@ -136,17 +136,68 @@ def test_tensor_core_decode_falls_back_to_v2_by_dtype_and_head_dim_only():
         build.mma_decode_config("bfloat16", 96, 16, 4)
 
 
+def ptxas_report(config: build.KernelConfig, entry: str, tmp_path) -> str:
+    """What `nvcc -Xptxas -v` says about one kernel of a config (registers, spills, shared memory)."""
+    cmd = ["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", *config.options(), str(config.source),
+           "-o", str(tmp_path / "k.cubin")]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return res.stderr.split(f"Compiling entry function '{entry}'")[1].split("Compiling entry")[0]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("head_dim", splitk.MMA_HEAD_DIMS)
 def test_tensor_core_decode_fits_its_occupancy_without_spilling(head_dim, tmp_path):
     # MMA_MIN_CTAS_PER_SM caps v3's registers (4 CTAs per SM at head_dim 128: 128 registers); ptxas
     # must not spill to local memory to meet it.
-    config = build.mma_decode_config("bfloat16", head_dim, 16, 4)
-    cmd = ["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", *config.options(), str(config.source),
-           "-o", str(tmp_path / "k.cubin")]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    report = res.stderr.split("Compiling entry function 'paged_attention_v3'")[1].split("Compiling entry")[0]
+    report = ptxas_report(build.mma_decode_config("bfloat16", head_dim, 16, 4), "paged_attention_v3", tmp_path)
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+def test_tensor_core_prefill_falls_back_to_v1_by_dtype_and_head_dim_only():
+    from pagedref.kernels.launch import _prefill_version
+
+    for head_dim in splitk.MMA_HEAD_DIMS:
+        assert _prefill_version(2, 2, head_dim) == 2
+        assert build.prefill_config("float16", head_dim, 16, version=2).defines[-1] == ("PREFILL_MMA", 1)
+    for elem_size, head_dim in ((4, 128), (2, 8), (2, 96), (2, 32)):  # float32, or head_dim not a multiple of 64
+        assert _prefill_version(2, elem_size, head_dim) == 1
+    assert _prefill_version(1, 2, 128) == 1
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="prefill version must be 1 or 2"):
+            _prefill_version(bad, 2, 128)
+    with pytest.raises(ValueError, match="v2"):
+        build.prefill_config("float32", 128, 16, version=2)
+    with pytest.raises(ValueError, match="head_dim"):
+        build.prefill_config("bfloat16", 96, 16, version=2)
+    assert build.prefill_config("bfloat16", 128, 16) == build.prefill_config("bfloat16", 128, 16, version=1)
+
+
+def test_prefill_launcher_checks_version_before_the_device(p):
+    from pagedref import kernels
+
+    with pytest.raises(ValueError, match="prefill version must be 1 or 2"):
+        kernels.paged_prefill(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.query_start_loc, p.scale,
+                              version=3)
+    with pytest.raises(ValueError, match="CUDA"):
+        kernels.paged_prefill(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.query_start_loc, p.scale,
+                              version=2)
+
+
+def test_tensor_core_prefill_shared_memory_fits_an_sm():
+    # K and V tiles, two buffers, rows padded by 8 elements (+ the query rows at head_dim 256): under
+    # the H100/H200's 227 KB per CTA, and two CTAs per SM at head_dim <= 128.
+    assert splitk.prefill_mma_shared_bytes(128) == 4 * 64 * 136 * 2
+    assert splitk.prefill_mma_shared_bytes(256) == (4 * 32 + 64) * 264 * 2
+    for head_dim in splitk.MMA_HEAD_DIMS:
+        assert splitk.prefill_mma_shared_bytes(head_dim) <= 227 * 1024
+    assert 2 * splitk.prefill_mma_shared_bytes(128) <= 227 * 1024
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("head_dim", splitk.MMA_HEAD_DIMS)
+def test_tensor_core_prefill_does_not_spill(head_dim, tmp_path):
+    report = ptxas_report(build.prefill_config("bfloat16", head_dim, 16, version=2), "paged_prefill_v2", tmp_path)
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
 
 

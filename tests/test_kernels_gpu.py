@@ -1,7 +1,7 @@
 """GPU sweeps of the stage 5 kernels: every dtype, head_dim, block_size and GQA shape against the
-float64 oracle (decode v2 and v3; v3 falls back to v2 outside 16-bit K/V with head_dim 64/128/256),
-bitwise invariance under block placement and batching, chunked-prefill invariance, and the `cuda`
-backend end to end. Skips without a GPU."""
+float64 oracle (decode v2 and v3, prefill v1 and v2; v3 / prefill v2 fall back to v2 / v1 outside
+16-bit K/V with head_dim 64/128/256), bitwise invariance under block placement and batching,
+chunked-prefill invariance, and the `cuda` backend end to end. Skips without a GPU."""
 
 import pytest
 import torch
@@ -42,21 +42,42 @@ def test_decode_every_head_dim_and_dtype(head_dim, dtype, version):
     check(decode(p, out=torch.full_like(p.q, float("nan")), version=version), p, dtype)
 
 
+PREFILL_VERSIONS = [1, 2]
+
+
+@pytest.mark.parametrize("version", PREFILL_VERSIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", kernels.SUPPORTED_HEAD_DIMS)
-def test_prefill_every_head_dim_and_dtype(head_dim, dtype):
-    p = T.make_problem([20, 150, 33], [20, 70, 1], num_heads=4, num_kv_heads=2, head_dim=head_dim, dtype=dtype,
-                       seed=head_dim + 1)
-    check(prefill(p, out=torch.full_like(p.q, float("nan"))), p, dtype)
+def test_prefill_every_head_dim_and_dtype(head_dim, dtype, version):
+    # 150 rows: a full 64-row tile of v2, a partial one and a 16-row warp slice past the chunk.
+    p = T.make_problem([20, 150, 33, 200], [20, 150, 1, 70], num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                       dtype=dtype, seed=head_dim + 1)
+    check(prefill(p, out=torch.full_like(p.q, float("nan")), version=version), p, dtype)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (7, 1), (16, 2)])
+@pytest.mark.parametrize("version", PREFILL_VERSIONS)
+def test_prefill_grouped_query_shapes(num_heads, num_kv_heads, version):
+    p = T.make_problem([300, 45, 130], [300, 7, 64], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=128,
+                       dtype=torch.bfloat16, seed=num_heads)
+    check(prefill(p, out=torch.full_like(p.q, float("nan")), version=version), p, torch.bfloat16)
+
+
+@pytest.mark.parametrize("version", PREFILL_VERSIONS)
+def test_prefill_long_chunk_over_a_long_context(version):
+    # Many key tiles (both cp.async buffers reused many times), a chunk of 700 rows after 2300 cached.
+    p = T.make_problem([3000, 64], [700, 64], num_heads=4, num_kv_heads=1, head_dim=128, block_size=32,
+                       dtype=torch.float16, seed=21)
+    check(prefill(p, out=torch.full_like(p.q, float("nan")), version=version), p, torch.float16)
 
 
 @pytest.mark.parametrize("block_size", kernels.SUPPORTED_BLOCK_SIZES)
-@pytest.mark.parametrize("kernel", ["decode_v1", "decode_v2", "decode_v3", "prefill"])
+@pytest.mark.parametrize("kernel", ["decode_v1", "decode_v2", "decode_v3", "prefill_v1", "prefill_v2"])
 def test_every_block_size(block_size, kernel):
-    qlens = [9, 1, 40] if kernel == "prefill" else None
+    qlens = [9, 1, 40] if kernel.startswith("prefill") else None
     p = T.make_problem([9, 1030, 77], qlens, head_dim=64, block_size=block_size, dtype=torch.bfloat16, seed=block_size)
-    out = prefill(p) if kernel == "prefill" else decode(p, version=int(kernel[-1]))
-    check(out, p, torch.bfloat16)
+    run = prefill if kernel.startswith("prefill") else decode
+    check(run(p, version=int(kernel[-1])), p, torch.bfloat16)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (7, 1), (16, 2), (32, 2)])
@@ -101,16 +122,39 @@ def test_very_long_context_many_partitions(version):
     check(decode(p, version=version), p, torch.bfloat16)
 
 
-def test_chunked_prefill_is_bitwise_the_unchunked_prefill():
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("version", PREFILL_VERSIONS)
+def test_chunked_prefill_is_bitwise_the_unchunked_prefill(version, head_dim):
     # Key tiles start at fixed positions of the sequence, so a row's arithmetic does not depend on
-    # how the prompt was cut into chunks: chunking changes no bit on this path either.
-    whole = T.make_problem([300], [300], head_dim=64, dtype=torch.bfloat16, seed=12)
-    out = prefill(whole)
+    # how the prompt was cut into chunks: chunking changes no bit on this path either. (v2: a chunk's
+    # rows land on other warps and mma rows, and key tiles past a row are skipped or exact no-ops;
+    # each row's operations and their order are the same.)
+    whole = T.make_problem([300], [300], head_dim=head_dim, dtype=torch.bfloat16, seed=12)
+    out = prefill(whole, version=version)
     for cut in (1, 100, 299):
         chunk = T.select(whole, [0])
         chunk.q = whole.q[cut:].contiguous()
         chunk.query_start_loc = torch.tensor([0, 300 - cut], dtype=torch.int32, device="cuda")
-        assert T.same_bits(prefill(chunk), out[cut:])
+        assert T.same_bits(prefill(chunk, version=version), out[cut:])
+
+
+@pytest.mark.parametrize("block_size", kernels.SUPPORTED_BLOCK_SIZES)
+@pytest.mark.parametrize("version", PREFILL_VERSIONS)
+def test_prefill_does_not_depend_on_block_placement_or_batch(version, block_size):
+    p = T.make_problem([700, 40, 1200, 16, 333], [100, 40, 260, 1, 333], num_heads=8, num_kv_heads=2, head_dim=128,
+                       block_size=block_size, dtype=torch.float16, seed=22)
+    out = prefill(p, version=version)
+    assert T.same_bits(out, prefill(T.permute_blocks(p, seed=23), version=version))
+    for seqs in ([2], [4, 0], [3, 1, 2]):
+        rows = torch.cat([torch.arange(r.start, r.stop) for r in (T.seq_rows(p, s) for s in seqs)]).cuda()
+        assert T.same_bits(prefill(T.select(p, seqs), version=version), out[rows])
+
+
+def test_tensor_core_prefill_agrees_with_v1():
+    # Two kernels, one answer: within the 16-bit rounding of P and of the output.
+    p = T.make_problem([500, 90], [500, 30], num_heads=4, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, seed=24)
+    ref = prefill(p, version=1).double().cpu().numpy()
+    assert T.max_rel_err(prefill(p, version=2), ref, p) <= 1e-2
 
 
 def test_decode_and_prefill_agree_on_a_single_query_row():

@@ -5,14 +5,15 @@ For each (batch, context) we time our split-K kernels (v2 and its candidate tuni
 tensor cores) reading K/V through block tables (blocks in random physical order), torch's
 scaled_dot_product_attention on the same K/V laid out contiguously (the fastest SDPA backend
 that runs), and a plain device-to-device copy, and report
-effective bandwidth = K/V bytes read / time. Prefill is reported in TFLOP/s against SDPA causal.
+effective bandwidth = K/V bytes read / time. Prefill (v1 on CUDA cores, v2 on the tensor cores) is
+reported in TFLOP/s against SDPA causal.
 
 Invariant: every timing is the median of many CUDA-event-timed repetitions after warm-up, with the
 work captured in a CUDA graph where possible (so Python launch overhead is not measured), over
 enough buffer sets that the working set exceeds 3x the L2 cache (the decode shapes here are each
 0.5-1 GB, so one set already streams from HBM); no number is asserted, only reported.
 Usage: `python -m pagedref.bench kernel [--json [PATH]] [--variants] [--reps N] [--no-prefill]
-[--skip-version 3]`
+[--skip-version 3] [--skip-prefill-version 2]`
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 DECODE_SHAPES = ((64, 4096), (256, 1024), (8, 32768), (1, 131072))  # (batch, context)
 PREFILL_SHAPES = ((4, 2048), (1, 8192))  # (batch, prompt length)
+PREFILL_VERSIONS = (1, 2)  # v1 on CUDA cores (the default), v2 on the tensor cores
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 
@@ -206,7 +208,8 @@ def bench_variants(reps: int, skip_version: int | None = None) -> list[dict]:
     return rows
 
 
-def bench_prefill(batch: int, length: int, reps: int) -> dict:
+def bench_prefill(batch: int, length: int, reps: int, skip_version: int | None = None) -> dict:
+    """Causal prefill of `batch` prompts of `length` tokens: each prefill kernel version and SDPA."""
     from pagedref.kernels import paged_prefill
 
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -215,19 +218,24 @@ def bench_prefill(batch: int, length: int, reps: int) -> dict:
     qsl = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
 
-    def ours():
-        paged_prefill(q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, qsl, HEAD_DIM**-0.5,
-                      max_query_len=length, max_context_len=length, out=out, check=False)
-    ms, _ = time_ms([ours], reps, warmup=2)
     k, v = case.contiguous_kv()
     qs = q.view(batch, length, NUM_HEADS, HEAD_DIM).transpose(1, 2)
     sd = best_sdpa(qs, k, v, causal=True, reps=reps)
-    err = ((out.view(batch, length, NUM_HEADS, HEAD_DIM).transpose(1, 2).float() - sd["out"].float()).norm()
-           / sd["out"].float().norm()).item()
     flops = 4 * batch * NUM_HEADS * HEAD_DIM * length * (length + 1) / 2  # causal: QK and PV, 2 flop/FMA
-    return {"batch": batch, "length": length, "kernel_ms": ms, "kernel_TFLOPs": flops / ms / 1e9,
-            "sdpa_backend": sd["backend"], "sdpa_ms": sd["ms"], "sdpa_TFLOPs": flops / sd["ms"] / 1e9,
-            "rel_err_vs_sdpa": err}
+    res = {"batch": batch, "length": length, "sdpa_backend": sd["backend"], "sdpa_ms": sd["ms"],
+           "sdpa_TFLOPs": flops / sd["ms"] / 1e9, "versions": {}}
+    for version in PREFILL_VERSIONS:
+        if version == skip_version:
+            continue
+
+        def ours(version=version):
+            paged_prefill(q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, qsl, HEAD_DIM**-0.5,
+                          max_query_len=length, max_context_len=length, out=out, check=False, version=version)
+        ms, _ = time_ms([ours], reps, warmup=2)
+        err = ((out.view(batch, length, NUM_HEADS, HEAD_DIM).transpose(1, 2).float() - sd["out"].float()).norm()
+               / sd["out"].float().norm()).item()
+        res["versions"][version] = {"ms": ms, "TFLOPs": flops / ms / 1e9, "rel_err_vs_sdpa": err}
+    return res
 
 
 def print_table(res: dict) -> None:
@@ -247,9 +255,11 @@ def print_table(res: dict) -> None:
     if res.get("prefill"):
         print(f"prefill bf16 causal, same heads: TFLOP/s = 4 * B * H * d * L(L+1)/2 / time")
         for r in res["prefill"]:
-            print(f"  batch {r['batch']} x {r['length']}: ours {r['kernel_ms']:.2f} ms {r['kernel_TFLOPs']:.1f} TFLOP/s | "
-                  f"SDPA {r['sdpa_backend']} {r['sdpa_ms']:.2f} ms {r['sdpa_TFLOPs']:.1f} TFLOP/s | "
-                  f"{r['kernel_TFLOPs'] / r['sdpa_TFLOPs']:.1%} | err {r['rel_err_vs_sdpa']:.1e}")
+            print(f"  batch {r['batch']} x {r['length']}: SDPA {r['sdpa_backend']} {r['sdpa_ms']:.2f} ms "
+                  f"{r['sdpa_TFLOPs']:.1f} TFLOP/s")
+            for version, v in r["versions"].items():
+                print(f"    ours v{version}: {v['ms']:.2f} ms {v['TFLOPs']:.1f} TFLOP/s | "
+                      f"{v['TFLOPs'] / r['sdpa_TFLOPs']:.1%} of SDPA | err {v['rel_err_vs_sdpa']:.1e}")
     print_candidates(res)
 
 
@@ -272,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--skip-version", type=int, choices=(3,), help="time no tuning of this decode kernel version "
                     "(device_check.sh passes 3 when v3 failed its self-check: a fault would end the whole run)")
+    ap.add_argument("--skip-prefill-version", type=int, choices=(2,), help="time prefill v1 only (device_check.sh "
+                    "passes 2 when prefill v2 failed its self-check)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("the kernel benchmark needs a CUDA GPU", file=sys.stderr)
@@ -286,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.variants:
         res["variants"] = bench_variants(args.reps, args.skip_version)
     if not args.no_prefill:
-        res["prefill"] = [bench_prefill(b, n, max(5, args.reps // 5)) for b, n in PREFILL_SHAPES]
+        res["prefill"] = [bench_prefill(b, n, max(5, args.reps // 5), args.skip_prefill_version)
+                          for b, n in PREFILL_SHAPES]
     if args.json:
         text = json.dumps(res, indent=2)
         if args.json == "-":

@@ -120,22 +120,32 @@ CANDIDATES: dict[str, DecodeTuning | MmaTuning] = {
 }
 
 
-def prefill_config(dtype: str, head_dim: int, block_size: int) -> KernelConfig:
-    return KernelConfig("paged_prefill.cu", (
-        ("PR_DTYPE", DTYPE_CODES[dtype]), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size)))
+def prefill_config(dtype: str, head_dim: int, block_size: int, version: int = 1) -> KernelConfig:
+    """Prefill v1 (CUDA cores, every shape) or v2 (tensor cores: -DPREFILL_MMA=1, mma_supported only)."""
+    if version not in (1, 2):
+        raise ValueError(f"prefill version must be 1 or 2, got {version}")
+    defines = (("PR_DTYPE", DTYPE_CODES[dtype]), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size))
+    if version == 1:
+        return KernelConfig("paged_prefill.cu", defines)
+    if not mma_supported(ELEM_SIZE[dtype], head_dim):
+        raise ValueError(f"the tensor-core prefill kernel (v2) takes float16/bfloat16 with head_dim in "
+                         f"{MMA_HEAD_DIMS}, got {dtype} with head_dim {head_dim}")
+    return KernelConfig("paged_prefill.cu", (*defines, ("PREFILL_MMA", 1)))
 
 
 CACHE_OPS = KernelConfig("cache_ops.cu")
 
 
 def ci_configs() -> list[KernelConfig]:
-    """What CI compiles: every dtype x head_dim x block_size (and v3 where it applies), every
+    """What CI compiles: every dtype x head_dim x block_size (and decode v3 / prefill v2 where they apply), every
     heads-per-CTA at bf16/128/16, every candidate tuning."""
     grid = itertools.product(DTYPE_CODES, SUPPORTED_HEAD_DIMS, SUPPORTED_BLOCK_SIZES)
     configs = [CACHE_OPS]
     for dtype, head_dim, block_size in grid:
         configs += [decode_config(dtype, head_dim, block_size, 4), prefill_config(dtype, head_dim, block_size)]
     configs += [mma_decode_config(dtype, head_dim, block_size, 4) for dtype in ("float16", "bfloat16")
+                for head_dim in MMA_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES]
+    configs += [prefill_config(dtype, head_dim, block_size, version=2) for dtype in ("float16", "bfloat16")
                 for head_dim in MMA_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES]
     configs += [decode_config("bfloat16", 128, 16, g, t) for g in (1, 2, 3, 5, 6, 7, 8)
                 for t in (DecodeTuning(), MmaTuning())]

@@ -3,7 +3,8 @@
 #   1. every kernel configuration CI compiles, compiled in parallel into CuPy's on-disk cache (the
 #      later processes only load binaries instead of compiling ~200 modules one after another);
 #   2. a plain run of the self-check driver, then the kernel benchmark alone on the GPU (first, so a
-#      slow step after it cannot cost its numbers; v3 is left out of it if it failed the self-check);
+#      slow step after it cannot cost its numbers; decode v3 and prefill v2 are left out of it if
+#      they failed the self-check);
 #   3. the GPU tests and compute-sanitizer memcheck + racecheck over the self-check driver, side by
 #      side (they check correctness only, so they may share the GPU).
 # Everything ends by DEADLINE seconds after the start (default 570: one device call may run 600); the
@@ -13,6 +14,9 @@
 #   bash pagedref/kernels/device_check.sh [benchmark options, e.g. --variants]
 # Environment: DEADLINE, PRECOMPILE_TIMEOUT, SELFCHECK_TIMEOUT, BENCH_TIMEOUT, PYTEST_TIMEOUT,
 # SANITIZER_TIMEOUT (seconds), SANITIZER_TOOLS ("" skips), PYTEST_ARGS (more pytest arguments, e.g. "-k v3 -x").
+# The tensor-core prefill (v2) alone, first time on a device (the selfcheck's "prefill v2" lines,
+# then its GPU tests, then the prefill rows of the benchmark):
+#   PYTEST_ARGS="-k prefill" bash pagedref/kernels/device_check.sh
 set -u
 OUT=${OUT:-/tmp/pagedref_device_check}
 mkdir -p "$OUT"
@@ -36,7 +40,13 @@ timeout "${SELFCHECK_TIMEOUT:-60}" python3 -m pagedref.kernels.selfcheck >"$OUT/
 rc=$?
 summary+=("selfcheck (no sanitizer): $(tail -n 1 "$OUT/selfcheck.log") (rc=$rc, $((SECONDS - t0)) s)")
 skip=""
-if [ $rc -ne 0 ]; then skip="--skip-version 3"; fi
+# A failing kernel leaves out its own rows: prefill v2 failures skip prefill v2, decode failures
+# skip v3 (as before), and a self-check that died without its summary line skips both.
+log="$OUT/selfcheck.log"
+if [ $rc -ne 0 ]; then
+  if grep -q "^FAIL decode" "$log" || ! grep -q "^selfcheck:" "$log"; then skip="--skip-version 3"; fi
+  if grep -q "^FAIL prefill v2" "$log" || ! grep -q "^selfcheck:" "$log"; then skip="$skip --skip-prefill-version 2"; fi
+fi
 
 t0=$SECONDS
 timeout "${BENCH_TIMEOUT:-200}" python3 -m pagedref.bench kernel --json "$OUT/bench.json" $skip "$@" \

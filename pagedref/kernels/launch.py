@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from pagedref.kernels import build, validate
-from pagedref.kernels.splitk import NUM_THREADS, PREFILL_ROWS, heads_per_cta, mma_supported, num_partitions
+from pagedref.kernels.splitk import (NUM_THREADS, PREFILL_MMA_ROWS, PREFILL_ROWS, heads_per_cta, mma_supported,
+                                     num_partitions, prefill_mma_shared_bytes)
 
 _STATIC_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
@@ -129,13 +130,17 @@ def _decode_kernel(version: int, tuning, elem_size: int, head_dim: int):
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                   max_query_len: int | None = None, max_context_len: int | None = None,
-                  out: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
+                  out: torch.Tensor | None = None, version: int = 1, check: bool = True) -> torch.Tensor:
     """Prefill / chunked prefill: each sequence's query rows attend causally to its context.
 
     q [num_tokens, num_heads, head_dim]; query_start_loc [num_seqs + 1] int32; the rows of sequence
     s are its last query_len context tokens (their K/V already written) -> [num_tokens, num_heads, head_dim].
+    version 1 runs on CUDA cores (every dtype and head_dim), 2 on the tensor cores (float16 /
+    bfloat16 with head_dim 64, 128 or 256; anything else runs version 1: a choice made from the
+    model's shapes, never from the batch).
     """
     shape = validate.check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
+    version = _prefill_version(version, q.element_size(), shape.head_dim)
     validate.check_query_start_loc(query_start_loc, shape.num_seqs, q.device)
     validate.require_cuda(q, "q")
     if max_query_len is None:
@@ -151,16 +156,27 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         validate.check_out(out, q)
     if shape.num_seqs == 0 or q.shape[0] == 0:
         return out
-    if max_query_len > _MAX_GRID_YZ * PREFILL_ROWS:
-        raise ValueError(f"max_query_len = {max_query_len} is above the {_MAX_GRID_YZ * PREFILL_ROWS} one launch covers")
-    config = build.prefill_config(_dtype_name(q), shape.head_dim, shape.block_size)
-    smem = 4 * (PREFILL_ROWS * shape.head_dim + 32 * (shape.head_dim + 4))
-    grid = (shape.num_seqs, shape.num_heads, -(-max_query_len // PREFILL_ROWS))
-    _launch(config, "paged_prefill", q.device, grid,
+    rows = PREFILL_MMA_ROWS if version == 2 else PREFILL_ROWS  # query rows per CTA
+    if max_query_len > _MAX_GRID_YZ * rows:
+        raise ValueError(f"max_query_len = {max_query_len} is above the {_MAX_GRID_YZ * rows} one launch covers")
+    config = build.prefill_config(_dtype_name(q), shape.head_dim, shape.block_size, version)
+    if version == 2:
+        smem = prefill_mma_shared_bytes(shape.head_dim)
+    else:
+        smem = 4 * (PREFILL_ROWS * shape.head_dim + 32 * (shape.head_dim + 4))
+    grid = (shape.num_seqs, shape.num_heads, -(-max_query_len // rows))
+    _launch(config, "paged_prefill_v2" if version == 2 else "paged_prefill", q.device, grid,
             (_ptr(out), _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(context_lens),
              _ptr(query_start_loc), np.int32(shape.max_blocks), np.int32(shape.num_heads),
              np.int32(shape.num_kv_heads), np.float32(scale)), shared_mem=smem)
     return out
+
+
+def _prefill_version(version: int, elem_size: int, head_dim: int) -> int:
+    """The prefill kernel to run: v2 -> v1 where the tensor-core kernel does not apply."""
+    if version not in (1, 2):
+        raise ValueError(f"prefill version must be 1 or 2, got {version}")
+    return 2 if version == 2 and mma_supported(elem_size, head_dim) else 1
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -2,8 +2,8 @@
 
 One idea: memcheck and racecheck slow a program down a hundredfold, so they get one launch of each
 kernel on small sizes that still reach every code path (several partitions and a partial one, a
-partial prefill tile, GQA, each dtype, v1, v2 and v3 with every candidate tuning, every block size
-and head_dim v3 takes, both pool writes) and nothing else.
+partial prefill tile, GQA, each dtype, decode v1, v2 and v3 with every candidate tuning, prefill
+v1 and v2, every block size and head_dim v3 and prefill v2 take, both pool writes) and nothing else.
 
 Invariant: exits non-zero if any result is wrong, so a clean sanitizer report over a failing run
 cannot pass for success. Usage: `python -m pagedref.kernels.selfcheck`.
@@ -39,7 +39,7 @@ def check_attention() -> list[str]:
         pre = testing.make_problem([1, 530, 1100], [1, 5, 20], **kw)  # partial tiles, several key tiles
         dec = testing.make_problem([1, 530, 1100], **kw)  # 1, 2 and 3 partitions, two of them partial
         label = f"{dtype} head_dim={head_dim}"
-        runs += [(f"prefill {label}", pre, lambda p=pre: run_prefill(p))]
+        runs += [(f"prefill v{v} {label}", pre, lambda p=pre, v=v: run_prefill(p, version=v)) for v in (1, 2)]
         runs += [(f"decode v{v} {label}", dec, lambda p=dec, v=v: run_decode(p, version=v)) for v in (1, 2, 3)]
         if dtype != torch.float32:
             runs += [(f"decode {name} {label}", dec, lambda p=dec, t=t: run_decode(p, version=t.version, tuning=t))
@@ -50,6 +50,13 @@ def check_attention() -> list[str]:
         dec = testing.make_problem([1, 530, 1100], num_heads=num_heads, num_kv_heads=2, head_dim=head_dim,
                                    block_size=block_size, dtype=dtype)
         runs += [(f"decode v3 {dtype} head_dim={head_dim}", dec, lambda p=dec: run_decode(p, version=3))]
+    # Prefill v2's shapes: head_dim 64 and 256 (32-key tiles, the query in shared memory), block
+    # sizes 8 and 16; 150 rows = two full 64-row tiles and a partial one; a chunk after cached context.
+    for dtype, head_dim, block_size in ((torch.float16, 64, 8), (torch.bfloat16, 256, 16), (torch.float16, 128, 16)):
+        pre = testing.make_problem([150, 530, 7], [150, 90, 7], num_heads=6, num_kv_heads=2, head_dim=head_dim,
+                                   block_size=block_size, dtype=dtype)
+        runs += [(f"prefill v2 {dtype} head_dim={head_dim} block_size={block_size}", pre,
+                  lambda p=pre: run_prefill(p, version=2))]
     failures = []
     for label, p, run in runs:
         err = testing.max_rel_err(run(), testing.oracle(p), p)

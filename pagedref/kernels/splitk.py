@@ -86,8 +86,25 @@ MMA_MIN_CTAS_PER_SM = {64: 6, 128: 4, 256: 2}  # as many CTAs as fit with no reg
 
 
 def mma_supported(elem_size: int, head_dim: int) -> bool:
-    """Whether the tensor-core decode kernel (v3) handles this K/V element size and head_dim."""
+    """Whether the tensor-core kernels (decode v3, prefill v2) handle this element size and head_dim."""
     return elem_size == 2 and head_dim in MMA_HEAD_DIMS
+
+
+# Prefill v2, FlashAttention-2 on the tensor cores (same scope as v3: mma_supported): a CTA owns
+# 64 query rows (4 warps x 16, the M of an mma) and walks the keys in tiles of prefill_mma_key_tile.
+PREFILL_MMA_ROWS = 64
+
+
+def prefill_mma_key_tile(head_dim: int) -> int:
+    """Keys per tile of prefill v2: 64, or 32 at head_dim 256 (its accumulators fill the registers)."""
+    return 64 if head_dim <= 128 else 32
+
+
+def prefill_mma_shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of prefill v2: K and V tiles, double-buffered, rows padded by 8
+    elements; at head_dim 256 also the CTA's query rows (held in registers below that)."""
+    rows = 4 * prefill_mma_key_tile(head_dim) + (0 if head_dim <= 128 else PREFILL_MMA_ROWS)
+    return rows * (head_dim + 8) * 2
 
 
 def softmax_stats(q: np.ndarray, k: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
