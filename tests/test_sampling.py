@@ -124,3 +124,14 @@ def test_a_seeded_sequence_draws_the_same_tokens_whatever_the_batch():
         rows = [i] + order
         results = sampler(logits, rows, [s] + others)
         assert results[0].token_id == alone[i]
+
+
+def test_batched_sampler_equals_sample_row_bit_for_bit():
+    """The GPU batches rows that share their settings; each row must still draw exactly what it would alone."""
+    sampler = Sampler()
+    sampler.rows_per_batch = lambda logits: logits.shape[0]  # force the GPU's batching on the CPU
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01)
+    seqs = [seq(i, SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, seed=i)) for i in range(6)]
+    got = [r.token_id for r in sampler(logits, list(range(6)), seqs)]
+    assert got == [sample_row(logits[i], params, make_generator(i, "cpu")) for i in range(6)]

@@ -119,16 +119,18 @@ class BlockManager:
         cheaply enough to measure at every step (set operations instead of per-block Python loops).
         A shared block is either full for every holder or, right after a fork, equally filled for all."""
         bs = self.block_size
-        full: set[int] = set()
+        used = self.kv.allocator.num_used
+        refs = sum(len(sb.table.block_ids) for sb in self.kv.seqs.values())
+        if refs == used:  # no block held twice: every sequence's tokens lie in blocks of its own (O(sequences))
+            filled = sum(sb.table.num_tokens for sb in self.kv.seqs.values())
+            return (filled / (used * bs) if used else 0.0), used, 0
+        full: set[int] = set()  # otherwise count each shared block once (O(blocks))
         partial: dict[int, int] = {}
-        refs = 0
         for sb in self.kv.seqs.values():
             ids, n = sb.table.block_ids, sb.table.num_tokens
-            refs += len(ids)
             full.update(ids[:n // bs])
             if n % bs:
                 partial[ids[n // bs]] = n % bs
-        used = self.kv.allocator.num_used
         filled = len(full) * bs + sum(fill for block, fill in partial.items() if block not in full)
         return (filled / (used * bs) if used else 0.0), used, refs - used
 

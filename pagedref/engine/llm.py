@@ -131,9 +131,11 @@ class LLMEngine:
         return sum(1 for g in self.requests.values() if not g.is_finished)
 
     # --- the step -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One iteration: schedule, run the model, sample, update. Returns the requests that advanced
-        (finished ones for the last time: they are forgotten after)."""
+        (finished ones for the last time: they are forgotten after); with final_only, only those that
+        finished (vLLM's RequestOutputKind.FINAL_ONLY, what `LLM.generate` asks for: an output per
+        running request per step is a streaming server's need, and costs microseconds per request)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.has_unfinished():
@@ -160,7 +162,7 @@ class LLMEngine:
         results = self.runner.sample(logits, rows, seqs)
         touched: dict[str, SequenceGroup] = {}
         for row, seq, result in zip(rows, seqs, results):
-            self._append_token(seq, result, logits[row])
+            self._append_token(seq, result, logits, row)
             group = self.requests.get(seq.request_id)
             if group is not None:
                 touched[group.request_id] = group
@@ -171,6 +173,8 @@ class LLMEngine:
             if group.is_finished:
                 group.metrics.finished_time = time.monotonic()
                 del self.requests[rid]
+            elif final_only:
+                continue
             outputs.append(self._request_output(group))
         return outputs
 
@@ -190,7 +194,7 @@ class LLMEngine:
         group.forked = True
         return children
 
-    def _append_token(self, seq: Sequence, result: SampleResult, logits_row: torch.Tensor) -> None:
+    def _append_token(self, seq: Sequence, result: SampleResult, logits: torch.Tensor, row: int) -> None:
         seq.token_ids.append(result.token_id)
         self.num_generated_tokens += 1
         if seq.logprobs is not None:
@@ -199,7 +203,7 @@ class LLMEngine:
             seq.logprobs.append(result.top_logprobs)
             seq.cumulative_logprob += result.logprob
         if seq.logits is not None:
-            seq.logits.append(logits_row.detach().cpu().clone())
+            seq.logits.append(logits[row].detach().cpu().clone())  # (indexed only here: a torch op per row)
         status = self._check_stop(seq)
         if status is not None:
             self.scheduler.finish(seq, status)
@@ -229,7 +233,7 @@ class LLMEngine:
     def _request_output(self, group: SequenceGroup) -> RequestOutput:
         outputs = [
             CompletionOutput(
-                index=s.index, token_ids=list(s.output_token_ids), cumulative_logprob=s.cumulative_logprob,
+                index=s.index, token_ids=s.output_token_ids, cumulative_logprob=s.cumulative_logprob,
                 logprobs=s.logprobs, finish_reason=s.status.finish_reason, stop_reason=s.stop_reason,
                 logits=torch.stack(s.logits) if s.logits else None, _text=s.text,
                 _decode=functools.partial(decode_output, self.tokenizer, s, len(s.token_ids), s.status),
@@ -294,7 +298,9 @@ def detokenize(tokenizer, seq: Sequence, num_tokens: int) -> str:
     """The text the sequence's output tokens (up to num_tokens tokens in all) add to its prompt's text.
     Decoded after the prompt, as vLLM does, so a leading space ("▁he") is kept: " he"."""
     skip = seq.params.skip_special_tokens
-    prompt = tokenizer.decode(seq.token_ids[:seq.num_prompt_tokens], skip_special_tokens=skip)
+    if seq.prompt_text is None:  # the prompt never changes: decode it once, not at every step's stop check
+        seq.prompt_text = tokenizer.decode(seq.token_ids[:seq.num_prompt_tokens], skip_special_tokens=skip)
+    prompt = seq.prompt_text
     full = tokenizer.decode(seq.token_ids[:num_tokens], skip_special_tokens=skip)
     if full.startswith(prompt):
         return full[len(prompt):]
@@ -462,7 +468,7 @@ class LLM:
         while wanted - done.keys():
             if not engine.has_unfinished_requests():
                 raise RuntimeError(f"requests {sorted(wanted - done.keys())} were aborted before they finished")
-            for out in engine.step():
+            for out in engine.step(final_only=True):
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
                     bar.update(1)

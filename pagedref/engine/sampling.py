@@ -12,8 +12,14 @@ and that sequence's own `torch.Generator`, so the choice never depends on what e
 - logprobs are of the raw model distribution (log_softmax of the logits, before temperature and
   masks: vLLM's default), for the sampled token and, with logprobs=k, the k most likely ones.
 
-Invariant (CPU path): each row is processed on its own ([1, vocab] shapes), so a request's tokens and
-logprobs are bit-identical whatever the batch; bad parameters are refused when SamplingParams is built.
+On a GPU the `Sampler` batches for speed: rows with the same settings go through the softmax and masks
+as one [rows, vocab] tensor (one kernel per op instead of one per row and op: those per-row launches
+cost more than the math; on the CPU it keeps one row per batch, see `Sampler.rows_per_batch`). Every one of those ops works on each row on its own (elementwise, or along the
+vocab dimension), so each row's result equals `sample_row` on that row alone, bit for bit; only the
+random draws stay per sequence, from each sequence's own generator.
+
+Invariant (CPU path): a request's tokens and logprobs are bit-identical whatever the batch (equal to
+`sample_row` on its row alone); bad parameters are refused when SamplingParams is built.
 """
 
 from __future__ import annotations
@@ -157,21 +163,92 @@ def row_logprobs(logits: torch.Tensor, token_id: int, k: int) -> tuple[float, di
     return float(chosen), top
 
 
+def sampling_key(params: SamplingParams) -> tuple[float, float, int, float]:
+    """Rows whose parameters share this key are sampled as one batch."""
+    return params.temperature, params.min_p, params.top_k, params.top_p
+
+
+def sample_rows(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator | None],
+                race: torch.Tensor | None = None) -> list[int]:
+    """`sample_row` for several rows [rows, vocab] with the same (non-greedy) params, as whole-batch ops.
+    Each op acts on every row separately, so row i gives what `sample_row(logits[i], params,
+    generators[i])` gives. `race` (E ~ Exp(1), [rows, vocab]) may be drawn already (see Sampler)."""
+    probs = torch.softmax(logits / params.temperature, dim=-1)  # [rows, vocab]
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+    if params.top_k > 0 and params.top_k < probs.shape[-1]:
+        kth = torch.topk(probs, params.top_k, dim=-1).values[:, -1:]  # [rows, 1]
+        probs = probs.masked_fill(probs < kth, 0.0)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        # The total per row as sample_row takes it, a whole-tensor sum of the row: a sum over a dim of
+        # the batch may add in another order (torch splits a long 1-D sum over threads), so another bit.
+        total = torch.stack([row.sum() for row in sorted_probs]).unsqueeze(-1)  # [rows, 1]
+        drop = mass_before >= params.top_p * total
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    if race is None:
+        race = torch.empty_like(probs)
+        for row, generator in zip(race, generators):  # one stream per sequence: never batched
+            row.exponential_(generator=generator)
+    return (probs / race).argmax(-1).tolist()
+
+
 class Sampler:
     """Samples one token per sequence from its row of the step's logits."""
+
+    def rows_per_batch(self, logits: torch.Tensor) -> int:
+        """How many rows one batched op takes. A GPU: all of them (per-row kernel launches, ~10 per row,
+        cost more than the math). The CPU: one. There the ops are math-bound and one row's temporaries
+        stay in cache; measured at 256 rows x 32000: whole batches ran up to 1.5x slower than row by
+        row, chunks of 2-8 rows no faster."""
+        return max(1, logits.shape[0]) if logits.device.type != "cpu" else 1
 
     def __call__(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
         """logits [R, vocab] float32; seqs[i] samples from logits[rows[i]] (several sequences may share
         a row: the n samples of a prompt, right after its prefill)."""
+        tokens: list[int] = [0] * len(seqs)
         # argmax involves no arithmetic, so one batched argmax equals the per-row ones exactly, and
         # it costs one device sync instead of one per row.
-        greedy = logits.argmax(-1).tolist() if any(s.params.is_greedy for s in seqs) else None
+        if any(s.params.is_greedy for s in seqs):
+            greedy = logits.argmax(-1).tolist()
+            for i, (row, seq) in enumerate(zip(rows, seqs)):
+                if seq.params.is_greedy:
+                    tokens[i] = greedy[row]
+        groups: dict[tuple, list[int]] = {}  # sampling key -> indices into seqs, in batch order
+        for i, seq in enumerate(seqs):
+            if not seq.params.is_greedy:
+                groups.setdefault(sampling_key(seq.params), []).append(i)
+        races = self._draw_in_batch_order(logits, groups, seqs)
+        step = self.rows_per_batch(logits)
+        for key, members in groups.items():
+            for start in range(0, len(members), step):
+                chunk = members[start:start + step]
+                x = logits[[rows[i] for i in chunk]]  # [chunk rows, vocab]
+                race = races[key][start:start + step] if races else None  # None: drawn in sample_rows
+                drawn = sample_rows(x, seqs[chunk[0]].params, [seqs[i].generator for i in chunk], race)
+                for i, token in zip(chunk, drawn):
+                    tokens[i] = token
         results = []
-        for row, seq in zip(rows, seqs):  # one row at a time: nothing depends on the batch
-            x = logits[row]
-            token = greedy[row] if seq.params.is_greedy else sample_row(x, seq.params, seq.generator)
+        for row, seq, token in zip(rows, seqs, tokens):
             result = SampleResult(token)
             if seq.params.logprobs is not None:
-                result.logprob, result.top_logprobs = row_logprobs(x, token, seq.params.logprobs)
+                result.logprob, result.top_logprobs = row_logprobs(logits[row], token, seq.params.logprobs)
             results.append(result)
         return results
+
+    @staticmethod
+    def _draw_in_batch_order(logits: torch.Tensor, groups: dict[tuple, list[int]],
+                             seqs: list[Sequence]) -> dict[tuple, torch.Tensor] | None:
+        """A sequence without its own generator draws from torch's global one, where the order of the
+        draws matters: then draw every race now, in batch order, as one row at a time would. (The
+        engine gives every sampling sequence a generator, so it never comes here: None.)"""
+        if all(seqs[i].generator is not None for members in groups.values() for i in members):
+            return None
+        races = {key: torch.empty((len(members), logits.shape[-1]), dtype=logits.dtype, device=logits.device)
+                 for key, members in groups.items()}
+        where = {i: (key, j) for key, members in groups.items() for j, i in enumerate(members)}
+        for i in sorted(where):
+            key, j = where[i]
+            races[key][j].exponential_(generator=seqs[i].generator)
+        return races

@@ -100,8 +100,10 @@ class Scheduler:
             budget -= n
 
         # 1. Running: decodes first, then the next chunk of each partly prefilled prompt.
-        order = [s for s in self.running if not s.is_prefill] + [s for s in self.running if s.is_prefill]
-        for seq in order:
+        decodes, prefills = [], []
+        for seq in self.running:
+            (prefills if seq.is_prefill else decodes).append(seq)
+        for seq in decodes + prefills:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted above, as someone's victim
             if budget == 0 or len(out.scheduled) == self.config.max_num_seqs:

@@ -76,6 +76,7 @@ class Sequence:
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it
     text: str | None = None  # set when a stop string cut the text; otherwise decoded on demand
     keep_blocks: bool = False  # beam search: a finished beam keeps its blocks until it is forked or dropped
+    prompt_text: str | None = None  # the prompt decoded, once (stop strings are checked at every step)
 
     @property
     def num_tokens(self) -> int:
@@ -83,7 +84,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:]  # a slice: a new list (outputs keep it as a snapshot)
 
     @property
     def num_output_tokens(self) -> int:

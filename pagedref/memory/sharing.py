@@ -177,11 +177,12 @@ class KVCacheManager:
         sb = self._get(seq_id)
         n = len(token_ids)
         self._check_len(sb.table.num_tokens, n)  # before the copy-on-write below: all or nothing
-        if self.blocks_needed(seq_id, n) > self.allocator.num_free:
-            raise NoFreeBlocksError(f"sequence {seq_id} needs {self.blocks_needed(seq_id, n)} blocks, "
-                                    f"{self.allocator.num_free} free")
+        copy = n > 0 and self._needs_copy(sb)
+        need = sb.table.num_new_blocks(n) + int(copy)  # blocks_needed(), without looking the sequence up again
+        if need > self.allocator.num_free:
+            raise NoFreeBlocksError(f"sequence {seq_id} needs {need} blocks, {self.allocator.num_free} free")
         copies = []
-        if n and self._needs_copy(sb):
+        if copy:
             src = sb.table.block_ids[-1]
             dst = self.allocator.allocate()
             self.allocator.free(src)  # one holder fewer; the others keep the original
