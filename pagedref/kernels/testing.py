@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from pagedref.attention import attention
+from pagedref.memory.block_table import cdiv
 
 
 @dataclass
@@ -52,7 +53,7 @@ def make_problem(context_lens: list[int], query_lens: list[int] | None = None, *
     """Sequences with the given context lengths (and query rows: 1 each by default, i.e. decode)."""
     query_lens = query_lens or [1] * len(context_lens)
     gen = torch.Generator().manual_seed(seed)
-    need = [-(-c // block_size) for c in context_lens]
+    need = [cdiv(c, block_size) for c in context_lens]
     num_blocks = sum(need) + spare_blocks
     perm = torch.randperm(num_blocks, generator=gen).tolist()  # physical places, shuffled
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
