@@ -30,7 +30,8 @@
 //      bounded by the FMA rate (about 67 TFLOP/s on an H100/H200) and shared-memory traffic.
 //   v2 paged_prefill_v2 (with -DPREFILL_MMA=1; 16-bit Q/K/V, HEAD_DIM 64/128/256): FlashAttention-2
 //      on the tensor cores (mma.sync m16n8k16, cp.async double buffering, ldmatrix). Its own section
-//      at the end of this file. The launcher runs v1 for any other dtype or head_dim.
+//      at the end of this file; the default wherever it applies. The launcher runs v1 for any other
+//      dtype or head_dim (a choice made from the model's shapes, never from the batch).
 //   next (not here): Hopper's wgmma fed by the bulk tensor copy engine (FlashAttention-3).
 //
 // Compile-time parameters (-D): PR_DTYPE, HEAD_DIM (multiple of VEC, <= 256), BLOCK_SIZE, PREFILL_MMA (0/1).

@@ -130,7 +130,7 @@ def _decode_kernel(version: int, tuning, elem_size: int, head_dim: int):
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                   max_query_len: int | None = None, max_context_len: int | None = None,
-                  out: torch.Tensor | None = None, version: int = 1, check: bool = True) -> torch.Tensor:
+                  out: torch.Tensor | None = None, version: int = 2, check: bool = True) -> torch.Tensor:
     """Prefill / chunked prefill: each sequence's query rows attend causally to its context.
 
     q [num_tokens, num_heads, head_dim]; query_start_loc [num_seqs + 1] int32; the rows of sequence
