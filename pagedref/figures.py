@@ -5,7 +5,8 @@ allocator with block tables, the scheduler) and draws what came out, so a figure
 the code. `python -m pagedref.figures [--out docs/figures]` regenerates every one of them (PNGs, and
 beside the benchmark figures a Markdown table of their numbers); the site shows the committed files.
 
-Invariant: every number or block id in a figure comes from the run, none is typed in.
+Invariant: every number or block id in a figure comes from the run, none is typed in. The GPU
+benchmarks' figures come from the JSON those runs saved (docs/results/), since this machine has no GPU.
 """
 
 from __future__ import annotations
@@ -261,11 +262,44 @@ def fig_chunked_prefill(out: Path, quick: bool) -> list[Path]:
 
 
 # --- the registry ------------------------------------------------------------------------------------
+# GPU runs cannot be repeated here: their figures are drawn from the JSON documents the device runs wrote
+# (`--json-out`), committed under docs/results/ with the command, GPU, date and commit inside them.
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+SERVE_RESULTS = RESULTS / "serve-2026-11-30.json"
+LATENCY_RESULTS = RESULTS / "latency-llama-3.2-1b-2026-11-30.json"
+
+
+def _from_results(bench, results: Path, out: Path, name: str) -> list[Path]:
+    import json
+
+    if not results.is_file():
+        raise FileNotFoundError(f"{results}: the saved device results this figure is drawn from are missing")
+    path = out / f"{name}.png"
+    bench.plot(json.loads(results.read_text()), path)
+    return [path]
+
+
+def fig_serve(out: Path, quick: bool) -> list[Path]:
+    """`bench serve` on the H200: output tokens/s of every system at both model shapes."""
+    from pagedref.bench import serve
+
+    return _from_results(serve, SERVE_RESULTS, out, "serve")
+
+
+def fig_latency(out: Path, quick: bool) -> list[Path]:
+    """`bench latency` on the H200: ITL P50/P99 and throughput per token budget."""
+    from pagedref.bench import latency
+
+    return _from_results(latency, LATENCY_RESULTS, out, "latency")
+
+
 FIGURES: dict[str, Callable[[Path, bool], list[Path]]] = {  # name -> draws <name>.png (and <name>.md)
     "kv_memory": fig_kv_memory,
     "block_table": fig_block_table,
     "sharing": fig_sharing,
     "chunked_prefill": fig_chunked_prefill,
+    "serve": fig_serve,
+    "latency": fig_latency,
 }
 
 

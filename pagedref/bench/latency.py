@@ -199,9 +199,10 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     ax2 = ax.twinx()
     ax2.plot(x, [r["output_tokens_per_s"] for r in rows], "o-", color="#4C72B0", label="output tokens/s")
     ax2.set_ylabel("output tokens / s")
-    ax2.set_ylim(bottom=0)
+    ax2.set_ylim(0, 1.3 * max(r["output_tokens_per_s"] for r in rows))  # the line clear of the legend
+    ax.set_ylim(0, 1.3 * max(r["itl_p99_ms"] for r in rows))
     handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
-    ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper left")
+    ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper right", ncol=3)
     w, env = doc["workload"], doc["environment"]
     ax.set_title(f"{doc['shape']} on {env.get('gpu', env['device'])}: {w['chat_requests']} chat requests + "
                  f"{w['long_requests']} prompts of {w['long_prompt_len']} tokens", fontsize=9)

@@ -470,14 +470,18 @@ def environment(device: str) -> dict[str, Any]:
         env["gpu"] = torch.cuda.get_device_name()
     tf = _transformers()
     env["transformers"] = tf.__version__ if tf else None
+    # A copy of the tree (the GPU machine) may have no .git, or a stale one: PAGEDREF_COMMIT says which commit it is.
+    env["commit"] = os.environ.get("PAGEDREF_COMMIT") or git_commit()
+    return env
+
+
+def git_commit() -> str | None:
     try:
         repo = Path(__file__).resolve().parents[2]
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
-                                       text=True, timeout=10).stdout.strip() or None
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
-        env["commit"] = None
-    env["commit"] = env["commit"] or os.environ.get("PAGEDREF_COMMIT")  # a copy without .git (the device) says it here
-    return env
+        return None
 
 
 def format_table(results: list[Result], baseline: str = "pagedref") -> str:
