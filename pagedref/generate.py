@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="run every step eagerly (the default); --no-enforce-eager replays decode steps from CUDA graphs (cuda, one GPU)")
     e.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N processes (N GPUs on cuda; gloo processes on the CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON document (completions and summary) instead of text")
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
             enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
-            seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+            seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
         )
         start = time.perf_counter()
         outputs = llm.generate([s.prompt for s in specs], params, use_tqdm=True)

@@ -12,10 +12,14 @@ on every call.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 from pagedref import kernels
 from pagedref.backends.metadata import AttentionMetadata
+from pagedref.kernels import validate
 
 
 class CudaBackend:
@@ -24,6 +28,27 @@ class CudaBackend:
     def __init__(self) -> None:
         self._checked: tuple[int, int] | None = None  # (id of the metadata, num_blocks) last checked
         self._checked_meta: AttentionMetadata | None = None  # held so its id is not reused
+        self._unchecked = False  # inside `unchecked()`: a CUDA-graph capture
+
+    @contextmanager
+    def unchecked(self) -> Iterator[None]:
+        """No value checks inside (they copy indices to the host, which a CUDA-graph capture cannot do):
+        the caller checks every replayed step's metadata with `check_step` instead."""
+        self._unchecked = True
+        try:
+            yield
+        finally:
+            self._unchecked = False
+
+    def check_step(self, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The value checks `forward` makes once per step (block ids, context lengths, slots), for a step
+        replayed from a CUDA graph, where no Python attention call is left to make them."""
+        k_cache = kv_cache[0]
+        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+        shape = validate.AttentionShape(meta.num_seqs, num_kv_heads, num_kv_heads, head_dim, num_blocks, block_size,
+                                        meta.block_tables.shape[1], k_cache.dtype)
+        validate.check_ranges(shape, meta.block_tables, meta.context_lens, meta.max_context_len)
+        validate.check_slot_values(meta.slot_mapping, num_blocks * block_size)
 
     def _needs_check(self, meta: AttentionMetadata, num_blocks: int) -> bool:
         key = (id(meta), num_blocks)
@@ -38,7 +63,7 @@ class CudaBackend:
         k_cache, v_cache = kv_cache
         if meta.block_size != k_cache.shape[1]:
             raise ValueError(f"meta.block_size = {meta.block_size} but the pool's block_size is {k_cache.shape[1]}")
-        check = self._needs_check(meta, k_cache.shape[0])
+        check = not self._unchecked and self._needs_check(meta, k_cache.shape[0])
         if check and meta.is_decode_only and meta.num_tokens != meta.num_seqs:
             raise ValueError(f"max_query_len = 1 but {meta.num_tokens} tokens for {meta.num_seqs} sequences")
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

@@ -118,7 +118,8 @@ def run_config(model_dir: Path, trace: list[Arrival], budget: int | None, args: 
     tokens = budget or max_model_len + args.max_num_seqs
     llm = LLM(model=str(model_dir), device=device, dtype="bfloat16" if device == "cuda" else "float32",
               max_model_len=max_model_len, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=tokens,
-              enable_chunked_prefill=budget is not None, enable_prefix_caching=False, num_kv_blocks=args.num_kv_blocks)
+              enable_chunked_prefill=budget is not None, enable_prefix_caching=False, num_kv_blocks=args.num_kv_blocks,
+              enforce_eager=args.enforce_eager)
     try:
         llm.generate([{"prompt_token_ids": trace[0].prompt_token_ids[:8]}], SamplingParams(temperature=0, max_tokens=4))  # warm-up
         _sync(device)
@@ -179,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-output-len", type=int, default=None, help="tokens each long request generates (cuda 32)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="the KV pool, blocks of 16 (cuda 16384, cpu 1024)")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="run every step eagerly (the default); --no-enforce-eager replays decode steps from CUDA graphs (cuda, one GPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", type=Path, default=None, help="where random-weight checkpoints are kept (default: the temp dir)")
     p.add_argument("--quick", action="store_true", help="a quarter of the requests")

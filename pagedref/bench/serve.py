@@ -217,10 +217,10 @@ def _free(device: str) -> None:
 
 
 def engine_args(device: str, dtype: str, num_kv_blocks: int | None, max_num_seqs: int, max_num_batched_tokens: int | None,
-                gpu_memory_utilization: float) -> dict[str, Any]:
+                gpu_memory_utilization: float, enforce_eager: bool = True) -> dict[str, Any]:
     return dict(device=device, dtype=dtype, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks or None,
-                gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=False)
+                gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=False, enforce_eager=enforce_eager)
 
 
 def tp_size(system: str) -> int | None:
@@ -520,6 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's token budget per step (default: the engine's)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="run every step eagerly (the default); --no-enforce-eager replays decode steps from CUDA graphs "
+                        "(cuda, one GPU; pagedref-tpN always runs eagerly)")
     p.add_argument("--hf-batch-size", type=int, default=256, help="cap on a static transformers batch")
     p.add_argument("--hf-time-limit", type=float, default=None,
                    help="seconds per transformers system (default 100, --quick 30): hf-static starts no batch after it "
@@ -659,7 +662,7 @@ def run_shape(args: argparse.Namespace, shape: str, systems: list[str], device: 
     cfg = SHAPES[shape]
     reqs = make_requests(args.num_prompts, cfg["vocab_size"], args.seed, args.input_len, args.output_len)
     llm_kwargs = engine_args(device, dtype, args.num_kv_blocks, args.max_num_seqs, args.max_num_batched_tokens,
-                             args.gpu_memory_utilization)
+                             args.gpu_memory_utilization, args.enforce_eager)
     num_kv_blocks = args.num_kv_blocks
     results: list[Result] = []
     for system in systems:
@@ -671,7 +674,8 @@ def run_shape(args: argparse.Namespace, shape: str, systems: list[str], device: 
                 num_kv_blocks = num_kv_blocks or res.kv_blocks  # profiled once: the same budget for the rest
             elif tp_size(system) is not None:  # the same engine over N GPUs: each holds 1/N of every block
                 res = run_pagedref(model_dir, reqs, "paged", {**llm_kwargs, "num_kv_blocks": num_kv_blocks or None,
-                                                              "tensor_parallel_size": tp_size(system)}, log, system)
+                                                              "tensor_parallel_size": tp_size(system),
+                                                              "enforce_eager": True}, log, system)
             elif system == "hf-static":
                 res = run_hf_static(model_dir, reqs, device, dtype, _budget_tokens(num_kv_blocks, args), args.hf_batch_size,
                                     args.hf_time_limit, log)

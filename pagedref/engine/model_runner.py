@@ -6,6 +6,8 @@ sequences concatenated ([T] input ids and positions), their slot mapping, and pe
 start offset, context length and block table. Then, in this order: swap-outs (device → CPU),
 copy-on-write copies, swap-ins (CPU → device), the forward pass, and logits only for the rows that
 sample (the last token of a sequence whose prompt is now fully computed, or its decode token).
+On CUDA with `enforce_eager=False`, a decode-only step replays a captured CUDA graph instead of
+issuing the forward's launches one by one (`pagedref.engine.cuda_graph`).
 
 KV pool sizing (`num_kv_blocks`):
 - explicit `num_kv_blocks`: exactly that many blocks;
@@ -81,7 +83,9 @@ class ModelRunner:
     KV heads only, and `pagedref.distributed.worker` drives the other ranks through `run_model`."""
 
     def __init__(self, model, backend, block_manager, num_blocks: int, block_size: int, device, dtype: torch.dtype,
-                 num_cpu_blocks: int = 0, tp_size: int = 1) -> None:
+                 num_cpu_blocks: int = 0, tp_size: int = 1, graphs: dict | None = None) -> None:
+        """graphs: capture decode steps as CUDA graphs (`pagedref.engine.cuda_graph`), with these
+        DecodeGraphs arguments (max_num_seqs, max_model_len, max_seq_len_to_capture); None: every step eager."""
         self.model = model
         self.backend = backend
         self.block_manager = block_manager
@@ -92,6 +96,11 @@ class ModelRunner:
         self.cpu_caches = allocate_kv_caches(model.config, num_cpu_blocks, block_size, dtype, "cpu", pin, tp_size) \
             if num_cpu_blocks else []
         self.sampler = Sampler()
+        self.graphs = None
+        if graphs is not None:
+            from pagedref.engine.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, backend, self.kv_caches, block_size, **graphs)
 
     # --- one step -------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> StepInput:
@@ -176,13 +185,15 @@ class ModelRunner:
                   blocks: SchedulerOutput) -> torch.Tensor:
         """The step's block operations, then the forward pass: what every tensor-parallel rank runs."""
         self.copy_blocks(blocks)
+        if self.graphs is not None and self.graphs.can_replay(meta):
+            return self.graphs.replay(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
 
     def sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
         return self.sampler(logits, rows, seqs)
 
     def close(self) -> None:
-        self.kv_caches, self.cpu_caches = [], []
+        self.kv_caches, self.cpu_caches, self.graphs = [], [], None
 
 
 def slot_range(block_ids: list[int], start: int, end: int, block_size: int) -> Iterator[int]:

@@ -155,13 +155,20 @@ def check_cache_write(key, value, k_cache, v_cache, slot_mapping, check_slots: b
                          f"[num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}] to match k_cache")
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
-    if not check_slots:
-        return
+    if check_slots:
+        check_slot_values(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
+
+
+PAD_SLOT = -1  # a padding token's slot (vLLM's PAD_SLOT_ID): reshape_and_cache writes nothing for it
+
+
+def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Every slot is a slot of the pool or PAD_SLOT, and no slot is written twice (one sync)."""
     slots = _host(slot_mapping)
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    for t in np.flatnonzero((slots < 0) | (slots >= num_slots))[:1]:
-        raise ValueError(f"slot_mapping[{t}] = {slots[t]} is outside the pool's {num_slots} slots")
-    uniq, counts = np.unique(slots, return_counts=True)
+    for t in np.flatnonzero(((slots < 0) & (slots != PAD_SLOT)) | (slots >= num_slots))[:1]:
+        raise ValueError(f"slot_mapping[{t}] = {slots[t]} is outside the pool's {num_slots} slots "
+                         f"(and not the padding slot {PAD_SLOT})")
+    uniq, counts = np.unique(slots[slots >= 0], return_counts=True)
     if (counts > 1).any():
         raise ValueError(f"slot_mapping writes slot {uniq[counts > 1][0]} twice in one step")
 

@@ -1,0 +1,114 @@
+"""CUDA graphs for decode steps: a step's whole forward pass replayed with one call.
+
+One idea: issued eagerly from Python, a decode step's forward is ~50 small kernels per layer, each
+costing more host time than the GPU spends on it (bench serve on an H200: 17 ms per step at the 1B
+shape for ~1.5 ms of GPU work). A CUDA graph records the launches once, for one batch size and fixed
+tensor addresses, and replays them all with one call (vLLM's and nano-vllm's `capture_cudagraph`):
+
+- static input buffers (token ids, positions, slot mapping, context lengths, block tables), sized for
+  the largest batch; a step copies its inputs into them;
+- one graph per batch size of a ladder (1, 2, 4, 8, 16, 32, ... up to max_num_seqs); a step of n
+  sequences replays the smallest captured size >= n. Its extra rows are padding: slot -1, which
+  reshape_and_cache skips, and context length 0, so the decode kernel's CTAs for them exit at once;
+- the decode kernel's grid is captured for `max_seq_len_to_capture` tokens of context, whatever the
+  step's longest context; a longer context, or any step with a prefill chunk, runs eagerly.
+
+Invariant: rows 0..n-1 of a replay are what the eager forward computes for the same n sequences up
+to the linear layers' rounding (they multiply a padded batch, and cuBLAS may pick another algorithm
+for it: the eager GPU path's batching caveat, docs/numerics.md); attention of a sequence depends on
+neither the other rows nor the grid, and padded rows write nothing into the KV pool. The step's
+block ids, context lengths and slots are checked on the host before every replay, as the eager
+path checks them before its first launch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedref.backends.metadata import AttentionMetadata
+from pagedref.kernels.validate import PAD_SLOT
+from pagedref.memory.block_table import cdiv
+
+BATCH_SIZE_LADDER = (1, 2, 4, 8) + tuple(range(16, 4097, 16))  # vLLM's capture sizes
+MAX_SEQ_LEN_TO_CAPTURE = 8192  # vLLM's default: longer contexts run eagerly
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The batch sizes captured: the ladder up to max_num_seqs, and max_num_seqs itself."""
+    return sorted({b for b in BATCH_SIZE_LADDER if b < max_num_seqs} | {max_num_seqs})
+
+
+def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size that holds num_seqs sequences (None: more than the largest)."""
+    return next((b for b in sizes if b >= num_seqs), None)
+
+
+class DecodeGraphs:
+    """The captured decode graphs of one model and KV pool, and the buffers they read."""
+
+    def __init__(self, model, backend, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                 max_num_seqs: int, max_model_len: int, max_seq_len_to_capture: int = MAX_SEQ_LEN_TO_CAPTURE) -> None:
+        self.model, self.backend, self.kv_caches = model, backend, kv_caches
+        self.block_size = block_size
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.max_context_len = min(max_model_len, max_seq_len_to_capture)
+        device = kv_caches[0][0].device
+        max_bs, max_blocks = self.sizes[-1], cdiv(max_model_len, block_size)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(max_bs, **i64)  # [max_bs]
+        self.positions = torch.zeros(max_bs, **i64)  # [max_bs]
+        self.slot_mapping = torch.full((max_bs,), PAD_SLOT, **i64)  # [max_bs]
+        self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)  # [max_bs]
+        self.block_tables = torch.full((max_bs, max_blocks), -1, dtype=torch.int32, device=device)  # [max_bs, max_blocks]
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)  # one query row each
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bs -> (graph, its output [bs, hidden])
+        self.num_replays = 0
+        self.capture()
+
+    def meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(self.slot_mapping[:bs], self.query_start_loc[: bs + 1], self.context_lens[:bs],
+                                 self.block_tables[:bs], max_query_len=1, max_context_len=self.max_context_len,
+                                 block_size=self.block_size)
+
+    def forward(self, bs: int) -> torch.Tensor:
+        return self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches, self.meta(bs), self.backend)
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """One graph per batch size, largest first, all in one memory pool (a replay at a time uses it).
+
+        The buffers hold padding only (slots -1, contexts 0): capturing computes nothing and writes
+        nothing into the KV pool."""
+        pool = None
+        with self.backend.unchecked():
+            for bs in reversed(self.sizes):
+                self.forward(bs)  # warm-up outside the graph: kernels loaded, allocator primed
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self.forward(bs)  # [bs, hidden], in the graph's pool
+                pool = pool or graph.pool()
+                self.graphs[bs] = (graph, out)
+        torch.cuda.synchronize()
+
+    def can_replay(self, meta: AttentionMetadata) -> bool:
+        """A decode-only step of at most the largest captured batch, every context within the capture."""
+        return (meta.is_decode_only and meta.num_seqs <= self.sizes[-1] and meta.max_context_len <= self.max_context_len
+                and meta.block_tables.shape[1] <= self.block_tables.shape[1])
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The step's final hidden states [n, hidden], valid until the next replay."""
+        self.backend.check_step(meta, self.kv_caches[0])
+        n, w = meta.num_seqs, meta.block_tables.shape[1]
+        bs = padded_batch_size(n, self.sizes)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.slot_mapping[n:bs].fill_(PAD_SLOT)
+        self.context_lens[:n].copy_(meta.context_lens)
+        self.context_lens[n:bs].fill_(0)
+        self.block_tables[:n, :w].copy_(meta.block_tables)  # columns past w: stale, never read (past the context)
+        graph, out = self.graphs[bs]
+        graph.replay()
+        self.num_replays += 1
+        return out[:n]

@@ -1,0 +1,215 @@
+"""CUDA graphs for decode steps (`pagedref.engine.cuda_graph`, `LLM(enforce_eager=False)`).
+
+The CPU tests cover what needs no GPU: the captured batch sizes, the padding slot, the host-side
+checks a replayed step gets instead of the kernels' own, and that the flag changes nothing on the
+CPU. The GPU tests (skipped without one) compare graph replays with the eager forward: the same
+greedy tokens, float32 logits within 1e-4 (the padded batch may change cuBLAS's algorithm, so not
+bit for bit), steps beyond the captured context falling back to eager, preemption.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import read_reference, shared_model
+from pagedref import LLM, SamplingParams
+from pagedref.backends.cuda import CudaBackend
+from pagedref.backends.metadata import AttentionMetadata
+from pagedref.backends.reference import ReferenceBackend
+from pagedref.engine.cuda_graph import DecodeGraphs, graph_batch_sizes, padded_batch_size
+from pagedref.kernels import gpu_available
+from pagedref.kernels.validate import PAD_SLOT, check_slot_values
+
+needs_gpu = pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU and cupy")
+
+
+# --- what needs no GPU -----------------------------------------------------------------------------
+
+def test_batch_sizes_follow_vllms_ladder_up_to_max_num_seqs():
+    assert graph_batch_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
+    assert graph_batch_sizes(5) == [1, 2, 4, 5], "max_num_seqs itself is always captured"
+    assert graph_batch_sizes(1) == [1]
+
+
+def test_a_step_replays_the_smallest_captured_size_that_holds_it():
+    sizes = graph_batch_sizes(48)
+    assert [padded_batch_size(n, sizes) for n in (1, 3, 8, 9, 17, 48)] == [1, 4, 8, 16, 32, 48]
+    assert padded_batch_size(49, sizes) is None
+
+
+def test_the_padding_slot_is_the_only_negative_slot_and_may_repeat():
+    check_slot_values(torch.tensor([3, PAD_SLOT, 5, PAD_SLOT]), num_slots=8)
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\] = -2 is outside the pool's 8 slots"):
+        check_slot_values(torch.tensor([3, -2]), num_slots=8)
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 8 is outside"):
+        check_slot_values(torch.tensor([8]), num_slots=8)
+    with pytest.raises(ValueError, match="writes slot 3 twice"):
+        check_slot_values(torch.tensor([3, PAD_SLOT, 3]), num_slots=8)
+
+
+def _meta(block_tables, context_lens, slots) -> AttentionMetadata:
+    cl = torch.tensor(context_lens, dtype=torch.int32)
+    return AttentionMetadata(torch.tensor(slots), torch.arange(len(cl) + 1, dtype=torch.int32), cl,
+                             torch.tensor(block_tables, dtype=torch.int32), 1, int(cl.max()), 4)
+
+
+def test_a_replayed_step_is_checked_on_the_host_as_the_eager_path_checks_it():
+    pool = (torch.zeros(3, 4, 1, 8), torch.zeros(3, 4, 1, 8))  # 3 blocks of 4 slots
+    backend = CudaBackend()
+    backend.check_step(_meta([[0, 2]], [6], [9]), pool)  # block 2, slot 2 * 4 + 1
+    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = 3 is not a physical block"):
+        backend.check_step(_meta([[0, 3]], [6], [13]), pool)
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 12 is outside the pool's 12 slots"):
+        backend.check_step(_meta([[0, 2]], [6], [12]), pool)
+
+
+def test_unchecked_lasts_only_for_its_block():
+    backend = CudaBackend()
+    with backend.unchecked():
+        assert backend._unchecked
+    assert not backend._unchecked
+    with pytest.raises(RuntimeError), backend.unchecked():
+        raise RuntimeError
+    assert not backend._unchecked
+
+
+def test_the_flag_changes_nothing_on_the_cpu():
+    prompts, greedy = ["Once upon a time"], SamplingParams(temperature=0, max_tokens=8)
+    eager = LLM(shared_model("stories260K"), num_kv_blocks=64)
+    graphs = LLM(shared_model("stories260K"), num_kv_blocks=64, enforce_eager=False)
+    assert graphs.llm_engine.runner.graphs is None
+    assert [o.outputs[0].token_ids for o in graphs.generate(prompts, greedy)] == \
+        [o.outputs[0].token_ids for o in eager.generate(prompts, greedy)]
+    assert graphs.get_stats()["num_cuda_graph_replays"] == 0
+
+
+def test_max_seq_len_to_capture_must_be_positive():
+    with pytest.raises(ValueError, match="max_seq_len_to_capture must be at least 1"):
+        LLM(shared_model("stories260K"), num_kv_blocks=64, max_seq_len_to_capture=0)
+
+
+class PaddedReference(ReferenceBackend):
+    """The CPU reference backend taking a padded graph batch as the CUDA kernels do: padding rows (slot -1,
+    context 0) write nothing and attend to nothing; the host checks of the cuda backend."""
+
+    _unchecked = False
+    unchecked = CudaBackend.unchecked
+    check_step = CudaBackend.check_step
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        n = int((meta.context_lens > 0).sum())  # the real rows come first
+        assert (meta.slot_mapping[n:] == PAD_SLOT).all() and (meta.context_lens[n:] == 0).all()
+        real = AttentionMetadata(meta.slot_mapping[:n], meta.query_start_loc[: n + 1], meta.context_lens[:n],
+                                 meta.block_tables[:n], 1, meta.max_context_len, meta.block_size)
+        out = torch.zeros_like(q)
+        out[:n] = super().forward(q[:n], k[:n], v[:n], kv_cache, real, scale)
+        return out
+
+
+class Rerun:
+    """A stand-in CUDA graph: replay() recomputes the forward over the same static buffers into the same output."""
+
+    def __init__(self, graphs: DecodeGraphs, bs: int, out: torch.Tensor) -> None:
+        self.graphs, self.bs, self.out = graphs, bs, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.graphs.forward(self.bs))
+
+
+class StandInGraphs(DecodeGraphs):
+    """DecodeGraphs whose capture records Reruns instead of CUDA graphs (replay() itself is the real one)."""
+
+    def capture(self) -> None:
+        with self.backend.unchecked():
+            for bs in self.sizes:
+                out = self.forward(bs).clone()
+                self.graphs[bs] = (Rerun(self, bs, out), out)
+
+
+@pytest.mark.parametrize("max_num_seqs", [3, 8])  # 3: batches of 1-3, sizes 1, 2, 3; 8: padded to 4 and 8
+def test_the_replay_data_flow_on_the_cpu_gives_the_eager_bits(max_num_seqs):
+    # The CPU model is batch-invariant row by row, so padded batches must change no bit: this checks what
+    # replay() copies into the static buffers (ids, positions, slots, context lengths, block tables).
+    name, greedy = "stories260K", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = ["Once upon a time", "Lily and Tom went to the park", "The little dog", "One day, a girl"]
+    kw = dict(num_kv_blocks=17, block_size=8, max_model_len=128, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=16, record_logits=True)
+    eager = LLM(shared_model(name), **kw).generate(prompts, greedy)
+    llm = LLM(shared_model(name), **kw)
+    runner = llm.llm_engine.runner
+    runner.graphs = StandInGraphs(runner.model, PaddedReference(), runner.kv_caches, 8, max_num_seqs, 128, 64)
+    graphed = llm.generate(prompts, greedy)
+    replays = runner.graphs.num_replays
+    assert replays > 0 and llm.get_stats()["num_cuda_graph_replays"] == replays
+    assert llm.get_stats()["num_preemptions"] > 0, "the pool is small enough that preemption happens too"
+    for e, g in zip(eager, graphed):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        assert torch.equal(g.outputs[0].logits, e.outputs[0].logits)
+    assert llm.llm_engine.block_manager.all_free()
+
+
+# --- on the GPU --------------------------------------------------------------------------------------
+
+def _run(name: str, dtype: str = "float32", num_prompts: int = 4, **kw):
+    """Greedy tokens and logits of the first num_prompts reference prompts, and the engine's stats."""
+    if name.startswith("tiny"):  # prompts of 5, 37, 128 and 300 tokens
+        prompts = [{"prompt_token_ids": c["prompt_ids"]} for c in read_reference(name, "hf_reference.json")["cases"]]
+    else:
+        prompts = ["Once upon a time", "Lily and Tom", "The little dog", "One day"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM(shared_model(name), device="cuda", dtype=dtype, max_model_len=512, record_logits=True, **kw)
+    try:
+        outs = llm.generate(prompts[:num_prompts], greedy)
+        return [(o.outputs[0].token_ids, o.outputs[0].logits) for o in outs], llm.get_stats()
+    finally:
+        llm.close()
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("name", ["tiny-llama3-hd64", "tiny-mistral-hd32", "tiny-qwen2-hd128", "stories260K"])
+@pytest.mark.parametrize("max_num_seqs", [2, 256])  # 2: batches of 1 and 2; 256: 3 sequences padded to 4
+def test_graph_replays_give_the_eager_tokens_and_logits(name, max_num_seqs):
+    kw = dict(num_kv_blocks=128, max_num_seqs=max_num_seqs)
+    eager, _ = _run(name, **kw)
+    graphed, stats = _run(name, enforce_eager=False, **kw)
+    assert stats["num_cuda_graph_replays"] > 0, "decode steps must replay the captured graphs"
+    for (ids, logits), (g_ids, g_logits) in zip(eager, graphed):
+        assert g_ids == ids
+        assert (g_logits - logits).abs().max().item() <= 1e-4
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_contexts_past_the_capture_run_eagerly():
+    # Prompts of 5 and 37 tokens: decode steps fit 48 tokens of context until the second one passes 48.
+    kw = dict(num_kv_blocks=128, num_prompts=2)
+    eager, _ = _run("tiny-llama3-hd64", **kw)
+    graphed, stats = _run("tiny-llama3-hd64", enforce_eager=False, max_seq_len_to_capture=48, **kw)
+    assert 0 < stats["num_cuda_graph_replays"] < stats["num_steps"] - 1
+    assert [ids for ids, _ in graphed] == [ids for ids, _ in eager]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_preemption_under_graphs_keeps_every_request_right():
+    # 34 blocks of 16 (one sequence of max_model_len needs 32); the 4 requests need 37 by their end.
+    kw = dict(num_kv_blocks=34, max_num_batched_tokens=64)
+    eager, _ = _run("tiny-llama3-hd64", **kw)
+    graphed, stats = _run("tiny-llama3-hd64", enforce_eager=False, **kw)
+    assert stats["num_preemptions"] > 0 and stats["num_cuda_graph_replays"] > 0
+    assert [ids for ids, _ in graphed] == [ids for ids, _ in eager]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_bfloat16_graphs_run_the_tensor_core_kernels_like_eager():
+    eager, _ = _run("tiny-llama3-hd64", "bfloat16", num_kv_blocks=128)
+    graphed, stats = _run("tiny-llama3-hd64", "bfloat16", num_kv_blocks=128, enforce_eager=False)
+    assert stats["num_cuda_graph_replays"] > 0
+    for (_, logits), (_, g_logits) in zip(eager, graphed):
+        assert torch.isfinite(g_logits).all()
+        # token 0 comes from the (eager) prefill step, token 1 from the first decode step: before any
+        # bf16 near-tie could send the two runs down different continuations
+        assert (g_logits[:2] - logits[:2]).abs().max().item() <= 5e-2
