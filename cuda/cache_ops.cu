@@ -5,9 +5,7 @@
 //
 // reshape_and_cache: the step's new key/value rows [num_tokens, num_kv_heads, head_dim] are scattered
 //   to their slots: row t goes to slot slot_mapping[t] (= physical_block * block_size + offset), i.e.
-//   to the row_words 16-byte words starting at slot * row_words. A slot of -1 is a padding token
-//   (vLLM's PAD_SLOT_ID: a CUDA-graph replay pads its batch with them) and writes nothing.
-//   Launch: grid (num_tokens), block 128.
+//   to the row_words 16-byte words starting at slot * row_words. Launch: grid (num_tokens), block 128.
 // copy_blocks: copy-on-write copies. For every layer (a pointer array of K pools and one of V pools)
 //   and every (src, dst) pair of block_mapping [num_pairs, 2] int64, block dst becomes a copy of block
 //   src. Launch: grid (num_layers, num_pairs), block 128. The Python side checks that no dst is also a
@@ -23,7 +21,6 @@ extern "C" __global__ void __launch_bounds__(128) reshape_and_cache(
     const long long *__restrict__ slot_mapping, int row_words) {
   const long long t = blockIdx.x;
   const long long slot = slot_mapping[t];
-  if (slot < 0) return;  // padding: the whole CTA leaves, nothing to write
   for (int i = threadIdx.x; i < row_words; i += blockDim.x) {
     k_cache[slot * row_words + i] = key[t * row_words + i];
     v_cache[slot * row_words + i] = value[t * row_words + i];

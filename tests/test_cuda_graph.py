@@ -16,10 +16,10 @@ from helpers import read_reference, shared_model
 from pagedref import LLM, SamplingParams
 from pagedref.backends.cuda import CudaBackend
 from pagedref.backends.metadata import AttentionMetadata
-from pagedref.backends.reference import ReferenceBackend
-from pagedref.engine.cuda_graph import DecodeGraphs, graph_batch_sizes, padded_batch_size
+from pagedref.backends.reference import ReferenceBackend, write_kv
+from pagedref.engine.cuda_graph import DecodeGraphs, graph_batch_sizes, num_scratch_blocks, padded_batch_size
+from pagedref.engine.model_runner import allocate_kv_caches
 from pagedref.kernels import gpu_available
-from pagedref.kernels.validate import PAD_SLOT, check_slot_values
 
 needs_gpu = pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU and cupy")
 
@@ -38,14 +38,8 @@ def test_a_step_replays_the_smallest_captured_size_that_holds_it():
     assert padded_batch_size(49, sizes) is None
 
 
-def test_the_padding_slot_is_the_only_negative_slot_and_may_repeat():
-    check_slot_values(torch.tensor([3, PAD_SLOT, 5, PAD_SLOT]), num_slots=8)
-    with pytest.raises(ValueError, match=r"slot_mapping\[1\] = -2 is outside the pool's 8 slots"):
-        check_slot_values(torch.tensor([3, -2]), num_slots=8)
-    with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 8 is outside"):
-        check_slot_values(torch.tensor([8]), num_slots=8)
-    with pytest.raises(ValueError, match="writes slot 3 twice"):
-        check_slot_values(torch.tensor([3, PAD_SLOT, 3]), num_slots=8)
+def test_the_pool_gets_one_scratch_slot_per_padding_row():
+    assert num_scratch_blocks(256, 16) == 16 and num_scratch_blocks(5, 16) == 1 and num_scratch_blocks(17, 8) == 3
 
 
 def _meta(block_tables, context_lens, slots) -> AttentionMetadata:
@@ -90,16 +84,21 @@ def test_max_seq_len_to_capture_must_be_positive():
 
 
 class PaddedReference(ReferenceBackend):
-    """The CPU reference backend taking a padded graph batch as the CUDA kernels do: padding rows (slot -1,
-    context 0) write nothing and attend to nothing; the host checks of the cuda backend."""
+    """The CPU reference backend taking a padded graph batch as the CUDA kernels do: padding rows (context 0)
+    write their K/V to their scratch slots and attend to nothing; the host checks of the cuda backend."""
 
     _unchecked = False
     unchecked = CudaBackend.unchecked
     check_step = CudaBackend.check_step
 
+    def __init__(self, first_scratch_slot: int) -> None:
+        self.first_scratch_slot = first_scratch_slot
+
     def forward(self, q, k, v, kv_cache, meta, scale):
         n = int((meta.context_lens > 0).sum())  # the real rows come first
-        assert (meta.slot_mapping[n:] == PAD_SLOT).all() and (meta.context_lens[n:] == 0).all()
+        assert (meta.context_lens[n:] == 0).all() and (meta.slot_mapping[:n] < self.first_scratch_slot).all()
+        assert (meta.slot_mapping[n:] >= self.first_scratch_slot).all(), "padding must write only scratch slots"
+        write_kv(k[n:], v[n:], *kv_cache, meta.slot_mapping[n:])
         real = AttentionMetadata(meta.slot_mapping[:n], meta.query_start_loc[: n + 1], meta.context_lens[:n],
                                  meta.block_tables[:n], 1, meta.max_context_len, meta.block_size)
         out = torch.zeros_like(q)
@@ -138,7 +137,11 @@ def test_the_replay_data_flow_on_the_cpu_gives_the_eager_bits(max_num_seqs):
     eager = LLM(shared_model(name), **kw).generate(prompts, greedy)
     llm = LLM(shared_model(name), **kw)
     runner = llm.llm_engine.runner
-    runner.graphs = StandInGraphs(runner.model, PaddedReference(), runner.kv_caches, 8, max_num_seqs, 128, 64)
+    num_blocks = kw["num_kv_blocks"]  # the managed pool; the scratch blocks follow it
+    runner.kv_caches = allocate_kv_caches(runner.model.config, num_blocks + num_scratch_blocks(max_num_seqs, 8), 8,
+                                          torch.float32, "cpu")
+    runner.graphs = StandInGraphs(runner.model, PaddedReference(num_blocks * 8), runner.kv_caches, 8, max_num_seqs, 128,
+                                  64, first_scratch_block=num_blocks)
     graphed = llm.generate(prompts, greedy)
     replays = runner.graphs.num_replays
     assert replays > 0 and llm.get_stats()["num_cuda_graph_replays"] == replays

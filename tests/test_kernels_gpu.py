@@ -219,15 +219,3 @@ def test_cuda_backend_refuses_a_bad_slot():
     meta = metadata(p, torch.tensor([3, 10**6], device="cuda"))
     with pytest.raises(ValueError, match=r"slot_mapping\[1\]"):
         get_backend("cuda").forward(p.q, p.q[:, :2], p.q[:, :2], (p.k_cache, p.v_cache), meta, p.scale)
-
-
-def test_reshape_and_cache_skips_padding_slots():
-    # A CUDA-graph replay pads its batch with slot -1 (vLLM's PAD_SLOT_ID): those rows write nothing.
-    k_pool, v_pool = torch.randn(4, 16, 2, 64, device="cuda"), torch.randn(4, 16, 2, 64, device="cuda")
-    expect_k, expect_v = k_pool.clone(), v_pool.clone()
-    key, value = torch.randn(5, 2, 64, device="cuda"), torch.randn(5, 2, 64, device="cuda")
-    slots = torch.tensor([7, -1, 40, -1, -1], device="cuda")
-    kernels.reshape_and_cache(key, value, k_pool, v_pool, slots)
-    real = slots >= 0
-    expect_k.view(64, 2, 64)[slots[real]], expect_v.view(64, 2, 64)[slots[real]] = key[real], value[real]
-    assert T.same_bits(k_pool, expect_k) and T.same_bits(v_pool, expect_v)

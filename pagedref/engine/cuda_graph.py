@@ -8,15 +8,18 @@ tensor addresses, and replays them all with one call (vLLM's and nano-vllm's `ca
 - static input buffers (token ids, positions, slot mapping, context lengths, block tables), sized for
   the largest batch; a step copies its inputs into them;
 - one graph per batch size of a ladder (1, 2, 4, 8, 16, 32, ... up to max_num_seqs); a step of n
-  sequences replays the smallest captured size >= n. Its extra rows are padding: slot -1, which
-  reshape_and_cache skips, and context length 0, so the decode kernel's CTAs for them exit at once;
+  sequences replays the smallest captured size >= n. Its extra rows are padding: context length 0,
+  so the decode kernel's CTAs for them exit at once, and each its own slot in *scratch blocks* that
+  the pool holds past the blocks the block manager hands out, so their K/V writes land where no
+  sequence ever reads (vLLM instead gives them slot -1, which its cache kernel skips: the same
+  effect without touching the verified kernels);
 - the decode kernel's grid is captured for `max_seq_len_to_capture` tokens of context, whatever the
   step's longest context; a longer context, or any step with a prefill chunk, runs eagerly.
 
 Invariant: rows 0..n-1 of a replay are what the eager forward computes for the same n sequences up
 to the linear layers' rounding (they multiply a padded batch, and cuBLAS may pick another algorithm
 for it: the eager GPU path's batching caveat, docs/numerics.md); attention of a sequence depends on
-neither the other rows nor the grid, and padded rows write nothing into the KV pool. The step's
+neither the other rows nor the grid, and padded rows write only into the scratch blocks. The step's
 block ids, context lengths and slots are checked on the host before every replay, as the eager
 path checks them before its first launch.
 """
@@ -26,7 +29,6 @@ from __future__ import annotations
 import torch
 
 from pagedref.backends.metadata import AttentionMetadata
-from pagedref.kernels.validate import PAD_SLOT
 from pagedref.memory.block_table import cdiv
 
 BATCH_SIZE_LADDER = (1, 2, 4, 8) + tuple(range(16, 4097, 16))  # vLLM's capture sizes
@@ -38,6 +40,11 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted({b for b in BATCH_SIZE_LADDER if b < max_num_seqs} | {max_num_seqs})
 
 
+def num_scratch_blocks(max_num_seqs: int, block_size: int) -> int:
+    """Blocks the pool adds past the managed ones: one distinct slot for each padding row of the largest batch."""
+    return cdiv(max(graph_batch_sizes(max_num_seqs)), block_size)
+
+
 def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
     """The smallest captured size that holds num_seqs sequences (None: more than the largest)."""
     return next((b for b in sizes if b >= num_seqs), None)
@@ -47,17 +54,24 @@ class DecodeGraphs:
     """The captured decode graphs of one model and KV pool, and the buffers they read."""
 
     def __init__(self, model, backend, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 max_num_seqs: int, max_model_len: int, max_seq_len_to_capture: int = MAX_SEQ_LEN_TO_CAPTURE) -> None:
+                 max_num_seqs: int, max_model_len: int, max_seq_len_to_capture: int = MAX_SEQ_LEN_TO_CAPTURE, *,
+                 first_scratch_block: int) -> None:
+        """kv_caches: the pool; its blocks from first_scratch_block on are never handed to a sequence."""
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.block_size = block_size
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_context_len = min(max_model_len, max_seq_len_to_capture)
         device = kv_caches[0][0].device
         max_bs, max_blocks = self.sizes[-1], cdiv(max_model_len, block_size)
+        num_blocks = kv_caches[0][0].shape[0]
+        if (num_blocks - first_scratch_block) * block_size < max_bs:
+            raise ValueError(f"the pool's scratch blocks ({first_scratch_block}..{num_blocks - 1}) hold fewer than the "
+                             f"{max_bs} padding slots the largest graph needs")
         i64 = dict(dtype=torch.int64, device=device)
+        self.pad_slots = first_scratch_block * block_size + torch.arange(max_bs, **i64)  # row i pads into its own slot
         self.input_ids = torch.zeros(max_bs, **i64)  # [max_bs]
         self.positions = torch.zeros(max_bs, **i64)  # [max_bs]
-        self.slot_mapping = torch.full((max_bs,), PAD_SLOT, **i64)  # [max_bs]
+        self.slot_mapping = self.pad_slots.clone()  # [max_bs]
         self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)  # [max_bs]
         self.block_tables = torch.full((max_bs, max_blocks), -1, dtype=torch.int32, device=device)  # [max_bs, max_blocks]
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)  # one query row each
@@ -77,8 +91,8 @@ class DecodeGraphs:
     def capture(self) -> None:
         """One graph per batch size, largest first, all in one memory pool (a replay at a time uses it).
 
-        The buffers hold padding only (slots -1, contexts 0): capturing computes nothing and writes
-        nothing into the KV pool."""
+        The buffers hold padding only (scratch slots, contexts 0): capturing writes only into the
+        scratch blocks."""
         pool = None
         with self.backend.unchecked():
             for bs in reversed(self.sizes):
@@ -104,7 +118,7 @@ class DecodeGraphs:
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:bs].fill_(PAD_SLOT)
+        self.slot_mapping[n:bs].copy_(self.pad_slots[n:bs])
         self.context_lens[:n].copy_(meta.context_lens)
         self.context_lens[n:bs].fill_(0)
         self.block_tables[:n, :w].copy_(meta.block_tables)  # columns past w: stale, never read (past the context)

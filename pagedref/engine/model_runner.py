@@ -91,7 +91,13 @@ class ModelRunner:
         self.block_manager = block_manager
         self.block_size = block_size
         self.device = torch.device(device)
-        self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, dtype, device, tp_size=tp_size)
+        # CUDA graphs pad their batches; the padding rows' K/V go to scratch blocks past the managed ones.
+        scratch = 0
+        if graphs is not None:
+            from pagedref.engine.cuda_graph import num_scratch_blocks
+
+            scratch = num_scratch_blocks(graphs["max_num_seqs"], block_size)
+        self.kv_caches = allocate_kv_caches(model.config, num_blocks + scratch, block_size, dtype, device, tp_size=tp_size)
         pin = self.device.type == "cuda"
         self.cpu_caches = allocate_kv_caches(model.config, num_cpu_blocks, block_size, dtype, "cpu", pin, tp_size) \
             if num_cpu_blocks else []
@@ -100,7 +106,7 @@ class ModelRunner:
         if graphs is not None:
             from pagedref.engine.cuda_graph import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, backend, self.kv_caches, block_size, **graphs)
+            self.graphs = DecodeGraphs(model, backend, self.kv_caches, block_size, **graphs, first_scratch_block=num_blocks)
 
     # --- one step -------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> StepInput:

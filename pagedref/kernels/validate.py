@@ -159,16 +159,12 @@ def check_cache_write(key, value, k_cache, v_cache, slot_mapping, check_slots: b
         check_slot_values(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
 
 
-PAD_SLOT = -1  # a padding token's slot (vLLM's PAD_SLOT_ID): reshape_and_cache writes nothing for it
-
-
 def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
-    """Every slot is a slot of the pool or PAD_SLOT, and no slot is written twice (one sync)."""
+    """Every slot is a slot of the pool, and none is written twice in one step (one sync)."""
     slots = _host(slot_mapping)
-    for t in np.flatnonzero(((slots < 0) & (slots != PAD_SLOT)) | (slots >= num_slots))[:1]:
-        raise ValueError(f"slot_mapping[{t}] = {slots[t]} is outside the pool's {num_slots} slots "
-                         f"(and not the padding slot {PAD_SLOT})")
-    uniq, counts = np.unique(slots[slots >= 0], return_counts=True)
+    for t in np.flatnonzero((slots < 0) | (slots >= num_slots))[:1]:
+        raise ValueError(f"slot_mapping[{t}] = {slots[t]} is outside the pool's {num_slots} slots")
+    uniq, counts = np.unique(slots, return_counts=True)
     if (counts > 1).any():
         raise ValueError(f"slot_mapping writes slot {uniq[counts > 1][0]} twice in one step")
 
