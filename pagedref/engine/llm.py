@@ -448,11 +448,13 @@ class LLM:
                 block_manager = ContiguousBlockManager(num_kv_blocks, block_size, max_model_len)
             scheduler = scheduler_cls(SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode),
                                   block_manager)
-            make_runner = workers.driver_runner if workers else ModelRunner
-            graphs = None if enforce_eager or device != "cuda" else dict(
-                max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_seq_len_to_capture=max_seq_len_to_capture)
-            runner = make_runner(weights, backend, block_manager, num_kv_blocks, block_size, device, torch_dtype, num_cpu_blocks,
-                                 **({"graphs": graphs} if graphs else {}))
+            runner_args = (weights, backend, block_manager, num_kv_blocks, block_size, device, torch_dtype, num_cpu_blocks)
+            if workers:  # tensor parallel: eager (CUDA graphs with TP on CUDA are refused above)
+                runner = workers.driver_runner(*runner_args)
+            else:
+                graphs = None if enforce_eager or device != "cuda" else dict(
+                    max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_seq_len_to_capture=max_seq_len_to_capture)
+                runner = ModelRunner(*runner_args, graphs=graphs)
             self.llm_engine = LLMEngine(weights, tokenizer, runner, scheduler, max_model_len, seed, record_logits)
             self.num_kv_blocks = num_kv_blocks
             self.kv_cache = kv_cache
