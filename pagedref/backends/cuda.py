@@ -45,6 +45,7 @@ class CudaBackend:
         replayed from a CUDA graph, where no Python attention call is left to make them."""
         k_cache = kv_cache[0]
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+        # check_ranges reads the pool's and the block tables' sizes only; no q here, so num_heads stands in as num_kv_heads
         shape = validate.AttentionShape(meta.num_seqs, num_kv_heads, num_kv_heads, head_dim, num_blocks, block_size,
                                         meta.block_tables.shape[1], k_cache.dtype)
         validate.check_ranges(shape, meta.block_tables, meta.context_lens, meta.max_context_len)

@@ -106,9 +106,9 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def can_replay(self, meta: AttentionMetadata) -> bool:
-        """A decode-only step of at most the largest captured batch, every context within the capture."""
-        return (meta.is_decode_only and meta.num_seqs <= self.sizes[-1] and meta.max_context_len <= self.max_context_len
-                and meta.block_tables.shape[1] <= self.block_tables.shape[1])
+        """A decode-only step of at most the largest captured batch, every context within the capture. (Its block
+        tables always fit the buffer: no sequence holds more than cdiv(max_model_len, block_size) blocks.)"""
+        return meta.is_decode_only and meta.num_seqs <= self.sizes[-1] and meta.max_context_len <= self.max_context_len
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The step's final hidden states [n, hidden], valid until the next replay."""

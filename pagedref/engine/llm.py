@@ -251,7 +251,7 @@ class LLMEngine:
         self.num_batched_tokens = 0
         self._preemptions_base = self.scheduler.num_preemptions
         self._swap_outs_base = self.scheduler.num_swap_outs
-        self._replays_base = self._graph_replays()
+        self._replays_base = self._graph_replays()  # the runner's count runs on across generate calls
         self._tsf_sum = 0.0
         self._tsf_peak = 0.0
         self._tsf_steps = 0
@@ -274,8 +274,7 @@ class LLMEngine:
             self._tsf_peak = max(self._tsf_peak, tsf)
 
     def _graph_replays(self) -> int:
-        graphs = getattr(self.runner, "graphs", None)  # a tensor-parallel driver runs eagerly
-        return graphs.num_replays if graphs is not None else 0
+        return self.runner.graphs.num_replays if self.runner.graphs is not None else 0
 
     def get_stats(self) -> dict[str, Any]:
         """The KV pool now (blocks total/used/free/cached/shared, token-state fraction) and, since the last
