@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                   help="run every step eagerly (the default); --no-enforce-eager replays decode steps from CUDA graphs (cuda, one GPU)")
+    e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                   help="issue every step's launches eagerly instead of replaying CUDA graphs (cuda, one GPU; "
+                        "the CPU and tensor parallelism always run eagerly)")
     e.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N processes (N GPUs on cuda; gloo processes on the CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON document (completions and summary) instead of text")

@@ -1,10 +1,12 @@
 """CUDA graphs for decode steps (`pagedref.engine.cuda_graph`, `LLM(enforce_eager=False)`).
 
-The CPU tests cover what needs no GPU: the captured batch sizes, the padding slot, the host-side
-checks a replayed step gets instead of the kernels' own, and that the flag changes nothing on the
-CPU. The GPU tests (skipped without one) compare graph replays with the eager forward: the same
-greedy tokens, float32 logits within 1e-4 (the padded batch may change cuBLAS's algorithm, so not
-bit for bit), steps beyond the captured context falling back to eager, preemption.
+The CPU tests cover what needs no GPU: the captured batch sizes and token counts, the padding slot,
+the host-side checks a replayed step gets instead of the kernels' own, that the flag changes nothing
+on the CPU, and, with stand-in graphs that re-run what was captured, that the replays' data flow
+(static buffers, padding, pieces around attention) gives the eager bits. The GPU tests (skipped
+without one) compare graph replays with the eager forward: the same greedy tokens, float32 logits
+within 1e-4 (the padded batch may change cuBLAS's algorithm, so not bit for bit), steps beyond the
+captured context or token count falling back to eager, preemption.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from pagedref import LLM, SamplingParams
 from pagedref.backends.cuda import CudaBackend
 from pagedref.backends.metadata import AttentionMetadata
 from pagedref.backends.reference import ReferenceBackend, write_kv
-from pagedref.engine.cuda_graph import DecodeGraphs, graph_batch_sizes, num_scratch_blocks, padded_batch_size
+from pagedref.engine.cuda_graph import (DecodeGraphs, PiecewiseGraphs, graph_batch_sizes, num_scratch_blocks,
+                                        padded_batch_size, piecewise_sizes)
 from pagedref.engine.model_runner import allocate_kv_caches
 from pagedref.kernels import gpu_available
+from pagedref.models.llama import one_thread
 
 needs_gpu = pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU and cupy")
 
@@ -36,6 +40,13 @@ def test_a_step_replays_the_smallest_captured_size_that_holds_it():
     sizes = graph_batch_sizes(48)
     assert [padded_batch_size(n, sizes) for n in (1, 3, 8, 9, 17, 48)] == [1, 4, 8, 16, 32, 48]
     assert padded_batch_size(49, sizes) is None
+
+
+def test_pieces_are_captured_for_token_counts_up_to_max_capture_size():
+    sizes = piecewise_sizes(2048)
+    assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-3:] == [1792, 1920, 2048]
+    assert piecewise_sizes(100)[-2:] == [96, 100], "max_capture_size itself is always captured"
+    assert padded_batch_size(300, sizes) == 320 and padded_batch_size(2049, sizes) is None
 
 
 def test_the_pool_gets_one_scratch_slot_per_padding_row():
@@ -70,17 +81,19 @@ def test_unchecked_lasts_only_for_its_block():
 
 def test_the_flag_changes_nothing_on_the_cpu():
     prompts, greedy = ["Once upon a time"], SamplingParams(temperature=0, max_tokens=8)
-    eager = LLM(shared_model("stories260K"), num_kv_blocks=64)
-    graphs = LLM(shared_model("stories260K"), num_kv_blocks=64, enforce_eager=False)
-    assert graphs.llm_engine.runner.graphs is None
+    eager = LLM(shared_model("stories260K"), num_kv_blocks=64, enforce_eager=True)
+    graphs = LLM(shared_model("stories260K"), num_kv_blocks=64)  # enforce_eager=False: the default
+    assert graphs.llm_engine.runner.graphs is None and graphs.llm_engine.runner.piecewise is None
     assert [o.outputs[0].token_ids for o in graphs.generate(prompts, greedy)] == \
         [o.outputs[0].token_ids for o in eager.generate(prompts, greedy)]
-    assert graphs.get_stats()["num_cuda_graph_replays"] == 0
+    stats = graphs.get_stats()
+    assert stats["num_cuda_graph_replays"] == stats["num_piecewise_graph_replays"] == 0
 
 
-def test_max_seq_len_to_capture_must_be_positive():
-    with pytest.raises(ValueError, match="max_seq_len_to_capture must be at least 1"):
-        LLM(shared_model("stories260K"), num_kv_blocks=64, max_seq_len_to_capture=0)
+@pytest.mark.parametrize("flag", ["max_seq_len_to_capture", "max_capture_size"])
+def test_capture_limits_must_be_positive(flag):
+    with pytest.raises(ValueError, match=f"{flag} must be at least 1"):
+        LLM(shared_model("stories260K"), num_kv_blocks=64, **{flag: 0})
 
 
 class PaddedReference(ReferenceBackend):
@@ -126,10 +139,30 @@ class StandInGraphs(DecodeGraphs):
                 self.graphs[bs] = (Rerun(self, bs, out), out)
 
 
+class Call:
+    """A stand-in CUDA graph of one piece: replay() calls it again (on one thread, as the eager CPU forward)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        with one_thread(True):
+            self.fn()
+
+
+class StandInPiecewise(PiecewiseGraphs):
+    """PiecewiseGraphs whose capture keeps each piece as a Call (replay() itself is the real one)."""
+
+    def capture(self) -> None:
+        for n in self.sizes:
+            self.graphs[n] = [Call(fn) for fn in self.pieces(n)]
+
+
 @pytest.mark.parametrize("max_num_seqs", [3, 8])  # 3: batches of 1-3, sizes 1, 2, 3; 8: padded to 4 and 8
 def test_the_replay_data_flow_on_the_cpu_gives_the_eager_bits(max_num_seqs):
     # The CPU model is batch-invariant row by row, so padded batches must change no bit: this checks what
-    # replay() copies into the static buffers (ids, positions, slots, context lengths, block tables).
+    # replay() copies into the static buffers (ids, positions, slots, context lengths, block tables) and,
+    # for the steps with prefill, the pieces' hand-over around each eager attention call.
     name, greedy = "stories260K", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompts = ["Once upon a time", "Lily and Tom went to the park", "The little dog", "One day, a girl"]
     kw = dict(num_kv_blocks=17, block_size=8, max_model_len=128, max_num_seqs=max_num_seqs,
@@ -142,10 +175,15 @@ def test_the_replay_data_flow_on_the_cpu_gives_the_eager_bits(max_num_seqs):
                                           torch.float32, "cpu")
     runner.graphs = StandInGraphs(runner.model, PaddedReference(num_blocks * 8), runner.kv_caches, 8, max_num_seqs, 128,
                                   64, first_scratch_block=num_blocks)
+    # Pieces for 1, 2, 4, 8 and 14 tokens: the steps with prefill of 3, 7 or 13 tokens replay them padded,
+    # those of 15 or 16 run eagerly.
+    runner.piecewise = StandInPiecewise(runner.model, runner.backend, runner.kv_caches, max_capture_size=14)
     graphed = llm.generate(prompts, greedy)
-    replays = runner.graphs.num_replays
-    assert replays > 0 and llm.get_stats()["num_cuda_graph_replays"] == replays
-    assert llm.get_stats()["num_preemptions"] > 0, "the pool is small enough that preemption happens too"
+    stats = llm.get_stats()
+    assert stats["num_cuda_graph_replays"] == runner.graphs.num_replays > 0
+    assert stats["num_piecewise_graph_replays"] == runner.piecewise.num_replays > 0
+    assert stats["num_cuda_graph_replays"] + stats["num_piecewise_graph_replays"] < stats["num_steps"], "some steps eager"
+    assert stats["num_preemptions"] > 0, "the pool is small enough that preemption happens too"
     for e, g in zip(eager, graphed):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids
         assert torch.equal(g.outputs[0].logits, e.outputs[0].logits)
@@ -169,29 +207,50 @@ def _run(name: str, dtype: str = "float32", num_prompts: int = 4, **kw):
         llm.close()
 
 
+def _same(eager, graphed, atol: float = 1e-4) -> None:
+    for (ids, logits), (g_ids, g_logits) in zip(eager, graphed):
+        assert g_ids == ids
+        assert (g_logits - logits).abs().max().item() <= atol
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("name", ["tiny-llama3-hd64", "tiny-mistral-hd32", "tiny-qwen2-hd128", "stories260K"])
 @pytest.mark.parametrize("max_num_seqs", [2, 256])  # 2: batches of 1 and 2; 256: 3 sequences padded to 4
 def test_graph_replays_give_the_eager_tokens_and_logits(name, max_num_seqs):
     kw = dict(num_kv_blocks=128, max_num_seqs=max_num_seqs)
-    eager, _ = _run(name, **kw)
-    graphed, stats = _run(name, enforce_eager=False, **kw)
+    eager, eager_stats = _run(name, enforce_eager=True, **kw)
+    assert eager_stats["num_cuda_graph_replays"] == eager_stats["num_piecewise_graph_replays"] == 0
+    graphed, stats = _run(name, **kw)  # graphs: the default on CUDA
     assert stats["num_cuda_graph_replays"] > 0, "decode steps must replay the captured graphs"
-    for (ids, logits), (g_ids, g_logits) in zip(eager, graphed):
-        assert g_ids == ids
-        assert (g_logits - logits).abs().max().item() <= 1e-4
+    assert stats["num_piecewise_graph_replays"] > 0, "the prefill steps must replay the pieces"
+    _same(eager, graphed)
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_contexts_past_the_capture_run_eagerly():
-    # Prompts of 5 and 37 tokens: decode steps fit 48 tokens of context until the second one passes 48.
+@pytest.mark.parametrize("name", ["tiny-llama3-hd64", "tiny-qwen2-hd128"])
+def test_chunked_prefill_mixed_with_decodes_replays_the_pieces(name):
+    # 48-token budget: the 128- and 300-token prompts go in chunks next to the shorter ones' decodes.
+    kw = dict(num_kv_blocks=128, max_num_batched_tokens=48)
+    eager, _ = _run(name, enforce_eager=True, **kw)
+    graphed, stats = _run(name, **kw)
+    assert stats["num_piecewise_graph_replays"] > 10 and stats["num_cuda_graph_replays"] > 0
+    assert stats["num_cuda_graph_replays"] + stats["num_piecewise_graph_replays"] == stats["num_steps"]
+    _same(eager, graphed)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_steps_past_the_captured_sizes_fall_back():
+    # Prompts of 5 and 37 tokens. The first step (42 tokens) is more than the 32 captured in pieces: eager.
+    # Decode steps replay one graph until the longer sequence passes 48 tokens of context, then the pieces.
     kw = dict(num_kv_blocks=128, num_prompts=2)
-    eager, _ = _run("tiny-llama3-hd64", **kw)
-    graphed, stats = _run("tiny-llama3-hd64", enforce_eager=False, max_seq_len_to_capture=48, **kw)
-    assert 0 < stats["num_cuda_graph_replays"] < stats["num_steps"] - 1
-    assert [ids for ids, _ in graphed] == [ids for ids, _ in eager]
+    eager, _ = _run("tiny-llama3-hd64", enforce_eager=True, **kw)
+    graphed, stats = _run("tiny-llama3-hd64", max_seq_len_to_capture=48, max_capture_size=32, **kw)
+    assert stats["num_cuda_graph_replays"] > 0 and stats["num_piecewise_graph_replays"] > 0
+    assert stats["num_cuda_graph_replays"] + stats["num_piecewise_graph_replays"] == stats["num_steps"] - 1
+    _same(eager, graphed)
 
 
 @pytest.mark.gpu
@@ -199,20 +258,21 @@ def test_contexts_past_the_capture_run_eagerly():
 def test_preemption_under_graphs_keeps_every_request_right():
     # 34 blocks of 16 (one sequence of max_model_len needs 32); the 4 requests need 37 by their end.
     kw = dict(num_kv_blocks=34, max_num_batched_tokens=64)
-    eager, _ = _run("tiny-llama3-hd64", **kw)
-    graphed, stats = _run("tiny-llama3-hd64", enforce_eager=False, **kw)
+    eager, _ = _run("tiny-llama3-hd64", enforce_eager=True, **kw)
+    graphed, stats = _run("tiny-llama3-hd64", **kw)
     assert stats["num_preemptions"] > 0 and stats["num_cuda_graph_replays"] > 0
+    assert stats["num_piecewise_graph_replays"] > 0
     assert [ids for ids, _ in graphed] == [ids for ids, _ in eager]
 
 
 @pytest.mark.gpu
 @needs_gpu
 def test_bfloat16_graphs_run_the_tensor_core_kernels_like_eager():
-    eager, _ = _run("tiny-llama3-hd64", "bfloat16", num_kv_blocks=128)
-    graphed, stats = _run("tiny-llama3-hd64", "bfloat16", num_kv_blocks=128, enforce_eager=False)
-    assert stats["num_cuda_graph_replays"] > 0
+    eager, _ = _run("tiny-llama3-hd64", "bfloat16", num_kv_blocks=128, enforce_eager=True)
+    graphed, stats = _run("tiny-llama3-hd64", "bfloat16", num_kv_blocks=128)
+    assert stats["num_cuda_graph_replays"] > 0 and stats["num_piecewise_graph_replays"] > 0
     for (_, logits), (_, g_logits) in zip(eager, graphed):
         assert torch.isfinite(g_logits).all()
-        # token 0 comes from the (eager) prefill step, token 1 from the first decode step: before any
-        # bf16 near-tie could send the two runs down different continuations
+        # token 0 comes from the prefill step (pieces), token 1 from the first decode step (one graph):
+        # before any bf16 near-tie could send the two runs down different continuations
         assert (g_logits[:2] - logits[:2]).abs().max().item() <= 5e-2

@@ -180,8 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-output-len", type=int, default=None, help="tokens each long request generates (cuda 32)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="the KV pool, blocks of 16 (cuda 16384, cpu 1024)")
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                   help="run every step eagerly (the default); --no-enforce-eager replays decode steps from CUDA graphs (cuda, one GPU)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                   help="issue every step's launches eagerly instead of replaying CUDA graphs (cuda)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", type=Path, default=None, help="where random-weight checkpoints are kept (default: the temp dir)")
     p.add_argument("--quick", action="store_true", help="a quarter of the requests")

@@ -11,12 +11,15 @@ is measured), and the weights are random in a real model's shape (nothing is dow
 
   (a) pagedref            `LLM(kv_cache="paged")`: blocks on demand, continuous batching
   (b) contiguous          `LLM(kv_cache="contiguous")`: stage 1's max_model_len reservation per request,
-                          otherwise the same engine, kernels and KV pool
+                          otherwise the same engine, kernels, CUDA graphs and KV pool
   (c) hf-static           transformers `generate` on static, left-padded batches; a batch is as large as
                           fits the KV budget when every member is padded to the batch's longest
                           prompt + output (its peak footprint), capped at --hf-batch-size
   (d) hf-continuous       transformers' own continuous batching / paged cache (`ContinuousBatchingManager`,
                           transformers >= 4.5x) at the same number of KV token slots, where installed
+
+Two more systems on request: `pagedref-eager` (pagedref without CUDA graphs: what they are worth) and
+`pagedref-tpN` (tensor parallel over N GPUs, eager).
 
 The KV budget is --num-kv-blocks blocks of 16 tokens (default 4096 = 65,536 token slots: 8 GiB at
 the Llama-3.1-8B shape, 2 GiB at Llama-3.2-1B), small enough that memory, not max_num_seqs, bounds
@@ -217,10 +220,15 @@ def _free(device: str) -> None:
 
 
 def engine_args(device: str, dtype: str, num_kv_blocks: int | None, max_num_seqs: int, max_num_batched_tokens: int | None,
-                gpu_memory_utilization: float, enforce_eager: bool = True) -> dict[str, Any]:
+                gpu_memory_utilization: float, enforce_eager: bool = False) -> dict[str, Any]:
     return dict(device=device, dtype=dtype, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks or None,
                 gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=False, enforce_eager=enforce_eager)
+
+
+def _graph_note(stats: dict[str, Any]) -> str:
+    decode, pieces = stats["num_cuda_graph_replays"], stats["num_piecewise_graph_replays"]
+    return f", {decode} decode + {pieces} piecewise graph replays" if decode or pieces else ", eager"
 
 
 def tp_size(system: str) -> int | None:
@@ -258,7 +266,7 @@ def run_pagedref(model_dir: Path, reqs: list[BenchRequest], kv_cache: str, llm_k
             system=name, requests=len(outputs), elapsed_s=elapsed, prompt_tokens=sum(len(r.prompt_token_ids) for r in reqs),
             output_tokens=produced, peak_running_seqs=stats["peak_num_running_seqs"], kv_blocks=stats["num_blocks"],
             peak_kv_blocks_used=stats["peak_num_used_blocks"], kv_token_state_share=stats["token_state_fraction_mean"],
-            preemptions=stats["num_preemptions"], note=f"{stats['num_steps']} steps",
+            preemptions=stats["num_preemptions"], note=f"{stats['num_steps']} steps" + _graph_note(stats),
         )
     finally:
         llm.close()
@@ -520,9 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's token budget per step (default: the engine's)")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                   help="run every step eagerly (the default); --no-enforce-eager replays decode steps from CUDA graphs "
-                        "(cuda, one GPU; pagedref-tpN always runs eagerly)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                   help="pagedref and contiguous issue every step's launches eagerly instead of replaying CUDA graphs "
+                        "(cuda; pagedref-tpN always runs eagerly; the system pagedref-eager does too)")
     p.add_argument("--hf-batch-size", type=int, default=256, help="cap on a static transformers batch")
     p.add_argument("--hf-time-limit", type=float, default=None,
                    help="seconds per transformers system (default 100, --quick 30): hf-static starts no batch after it "
@@ -629,9 +637,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
             parser.error(f"--model-shape {s!r}: choose from {', '.join(SHAPES)}")
     systems = args.systems.split(",")
     for s in systems:
-        if s not in SYSTEMS and tp_size(s) is None:
-            parser.error(f"--systems: unknown system {s!r} (choose from {', '.join(SYSTEMS)}, or pagedref-tpN "
-                         "for pagedref with tensor_parallel_size=N)")
+        if s not in SYSTEMS and s != "pagedref-eager" and tp_size(s) is None:
+            parser.error(f"--systems: unknown system {s!r} (choose from {', '.join(SYSTEMS)}, pagedref-eager for "
+                         "pagedref without CUDA graphs, or pagedref-tpN for pagedref with tensor_parallel_size=N)")
     if args.num_prompts is None:
         args.num_prompts = 100 if args.quick else 500
     if args.hf_time_limit is None:
@@ -668,7 +676,10 @@ def run_shape(args: argparse.Namespace, shape: str, systems: list[str], device: 
     for system in systems:
         log(f"[serve] {shape}: {system}")
         try:
-            if system in ("pagedref", "contiguous"):
+            if system == "pagedref-eager":  # pagedref without CUDA graphs: what the graphs are worth
+                res = run_pagedref(model_dir, reqs, "paged", {**llm_kwargs, "num_kv_blocks": num_kv_blocks or None,
+                                                              "enforce_eager": True}, log, system)
+            elif system in ("pagedref", "contiguous"):
                 res = run_pagedref(model_dir, reqs, "paged" if system == "pagedref" else "contiguous",
                                    {**llm_kwargs, "num_kv_blocks": num_kv_blocks or None}, log)
                 num_kv_blocks = num_kv_blocks or res.kv_blocks  # profiled once: the same budget for the rest

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps: a step's whole forward pass replayed with one call.
+"""CUDA graphs: a decode step's whole forward replayed with one call, any other step's in pieces.
 
 One idea: issued eagerly from Python, a decode step's forward is ~50 small kernels per layer, each
 costing more host time than the GPU spends on it (bench serve on an H200: 17 ms per step at the 1B
@@ -14,14 +14,23 @@ tensor addresses, and replays them all with one call (vLLM's and nano-vllm's `ca
   sequence ever reads (vLLM instead gives them slot -1, which its cache kernel skips: the same
   effect without touching the verified kernels);
 - the decode kernel's grid is captured for `max_seq_len_to_capture` tokens of context, whatever the
-  step's longest context; a longer context, or any step with a prefill chunk, runs eagerly.
+  step's longest context; a longer context, or any step with a prefill chunk, goes to the pieces.
+
+A step with prefill tokens cannot be one graph: the prefill kernel's grid and its loops follow each
+sequence's query and context lengths. But attention is the only operation that mixes tokens, so
+`PiecewiseGraphs` (vLLM V1's piecewise graphs) captures the rest, per padded token count (1, 2, 4,
+8, 16, ... up to `max_capture_size` tokens): one graph from the embedding to layer 0's q/k/v, one
+from each layer's attention output to the next layer's q/k/v, one to the final norm. Attention runs
+eagerly between them on the real rows only, reading and writing static buffers. Padding rows carry
+stale but finite values through the per-token work; no kernel reads them and no K/V is written for them.
 
 Invariant: rows 0..n-1 of a replay are what the eager forward computes for the same n sequences up
 to the linear layers' rounding (they multiply a padded batch, and cuBLAS may pick another algorithm
 for it: the eager GPU path's batching caveat, docs/numerics.md); attention of a sequence depends on
 neither the other rows nor the grid, and padded rows write only into the scratch blocks. The step's
 block ids, context lengths and slots are checked on the host before every replay, as the eager
-path checks them before its first launch.
+path checks them before its first launch. A piecewise step's rows 0..T-1 are likewise the eager
+ones up to the linear layers' rounding; its attention is the eager call itself, checks included.
 """
 
 from __future__ import annotations
@@ -33,6 +42,11 @@ from pagedref.memory.block_table import cdiv
 
 BATCH_SIZE_LADDER = (1, 2, 4, 8) + tuple(range(16, 4097, 16))  # vLLM's capture sizes
 MAX_SEQ_LEN_TO_CAPTURE = 8192  # vLLM's default: longer contexts run eagerly
+# Token counts of the piecewise graphs (vLLM's spacing: finer where steps are small). 2048 (vLLM: 512)
+# so that chunks of a 2048-token budget and the serving benchmark's mixed steps of ~300-1500 tokens
+# (256 decodes plus admitted prompts) are captured; a larger step's GPU work dwarfs its launches.
+PIECEWISE_SIZES = (1, 2, 4) + tuple(range(8, 256, 8)) + tuple(range(256, 1024, 32)) + tuple(range(1024, 8193, 128))
+MAX_CAPTURE_SIZE = 2048
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -126,3 +140,96 @@ class DecodeGraphs:
         graph.replay()
         self.num_replays += 1
         return out[:n]
+
+
+def piecewise_sizes(max_capture_size: int) -> list[int]:
+    """The token counts captured in pieces: the ladder up to max_capture_size, and max_capture_size itself."""
+    return sorted({n for n in PIECEWISE_SIZES if n < max_capture_size} | {max_capture_size})
+
+
+class PiecewiseGraphs:
+    """Every step that is not one decode graph: the per-token work of each layer replayed from graphs
+    captured for the step's padded token count, attention run eagerly in between."""
+
+    def __init__(self, model, backend, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_capture_size: int) -> None:
+        self.model, self.backend, self.kv_caches = model.model, backend, kv_caches  # the LlamaModel: its pieces
+        self.sizes = piecewise_sizes(max_capture_size)
+        attn, n = self.model.layers[0].self_attn, self.sizes[-1]
+        h, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        device, dtype = kv_caches[0][0].device, kv_caches[0][0].dtype  # the pool holds the model's dtype
+        i64, f32, act = (dict(dtype=t, device=device) for t in (torch.int64, torch.float32, dtype))
+        # The static buffers every piece reads and writes (rows past the step's T: padding).
+        self.input_ids = torch.zeros(n, **i64)  # [n]
+        self.positions = torch.zeros(n, **i64)  # [n]
+        self.cos = torch.zeros(n, d // 2, **f32)  # [n, d/2]
+        self.sin = torch.zeros(n, d // 2, **f32)  # [n, d/2]
+        self.x = torch.zeros(n, model.config.hidden_size, **act)  # [n, hidden] the residual stream
+        self.q = torch.zeros(n, h, d, **act)  # [n, H, d]
+        self.k = torch.zeros(n, hkv, d, **act)  # [n, Hkv, d]
+        self.v = torch.zeros(n, hkv, d, **act)  # [n, Hkv, d]
+        self.attn = torch.zeros(n, h, d, **act)  # [n, H, d] attention's output, written between the pieces
+        self.hidden = torch.zeros(n, model.config.hidden_size, **act)  # [n, hidden] the final norm's output
+        self.graphs: dict[int, list] = {}  # n -> its num_layers + 1 graphs, in forward order
+        self.num_replays = 0
+        self.capture()
+
+    def pieces(self, n: int) -> list:
+        """The num_layers + 1 functions between attention calls, on the first n rows of the buffers."""
+        m = self.model
+        ids, pos, cos, sin, x, q, k, v, attn, hidden = (t[:n] for t in (
+            self.input_ids, self.positions, self.cos, self.sin, self.x, self.q, self.k, self.v, self.attn, self.hidden))
+
+        def layer_in(i: int, x_new: torch.Tensor) -> None:
+            x.copy_(x_new)
+            for buf, t in zip((q, k, v), m.layer_in(i, x, cos, sin)):
+                buf.copy_(t)
+
+        def first() -> None:
+            x0, c, s = m.embed(ids, pos)
+            cos.copy_(c)
+            sin.copy_(s)
+            layer_in(0, x0)
+
+        def between(i: int):  # layer i's output and layer i + 1's input (the final norm after the last layer)
+            if i + 1 < len(m.layers):
+                return lambda: layer_in(i + 1, m.layer_out(i, x, attn))
+            return lambda: hidden.copy_(m.final_norm(m.layer_out(i, x, attn)))
+
+        return [first] + [between(i) for i in range(len(m.layers))]
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Largest size first, all pieces in one memory pool: nothing a piece leaves in the pool outlives
+        its replay (what crosses pieces is in the static buffers), so the pieces may share it."""
+        pool = None
+        for n in reversed(self.sizes):
+            pieces = self.pieces(n)
+            for fn in pieces:  # warm-up outside the graphs: cuBLAS's choices made, the allocator primed
+                fn()
+            torch.cuda.synchronize()
+            self.graphs[n] = []
+            for fn in pieces:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    fn()
+                pool = pool or graph.pool()
+                self.graphs[n].append(graph)
+        torch.cuda.synchronize()
+
+    def can_replay(self, meta: AttentionMetadata) -> bool:
+        return meta.num_tokens <= self.sizes[-1]
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The step's final hidden states [T, hidden], valid until the next replay."""
+        t = meta.num_tokens
+        graphs = self.graphs[padded_batch_size(t, self.sizes)]
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        graphs[0].replay()
+        for i, kv_cache in enumerate(self.kv_caches):
+            # attention on the real rows only: it writes their K/V and reads every sequence's context
+            out = self.backend.forward(self.q[:t], self.k[:t], self.v[:t], kv_cache, meta, self.model.layers[i].self_attn.scale)
+            self.attn[:t].copy_(out)
+            graphs[i + 1].replay()
+        self.num_replays += 1
+        return self.hidden[:t]

@@ -273,8 +273,10 @@ class LLMEngine:
             self._tsf_steps += 1
             self._tsf_peak = max(self._tsf_peak, tsf)
 
-    def _graph_replays(self) -> int:
-        return self.runner.graphs.num_replays if self.runner.graphs is not None else 0
+    def _graph_replays(self) -> tuple[int, int]:
+        """(decode-graph replays, piecewise-graph replays) since the runner was built."""
+        graphs, piecewise = self.runner.graphs, self.runner.piecewise
+        return (graphs.num_replays if graphs is not None else 0, piecewise.num_replays if piecewise is not None else 0)
 
     def get_stats(self) -> dict[str, Any]:
         """The KV pool now (blocks total/used/free/cached/shared, token-state fraction) and, since the last
@@ -293,7 +295,8 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens,
             num_batched_tokens=self.num_batched_tokens,
-            num_cuda_graph_replays=self._graph_replays() - self._replays_base,
+            num_cuda_graph_replays=self._graph_replays()[0] - self._replays_base[0],  # decode steps, one graph each
+            num_piecewise_graph_replays=self._graph_replays()[1] - self._replays_base[1],  # other steps, in pieces
             block_size=self.block_manager.block_size,
         )
         return stats
@@ -333,10 +336,11 @@ class LLM:
     gloo processes on the CPU); this process is rank 0 and starts the others (`pagedref.distributed`),
     or joins them under torchrun. `close()` stops them.
 
-    `enforce_eager=False` (CUDA only, one GPU) replays decode steps from captured CUDA graphs, one per
-    batch size up to max_num_seqs, for contexts up to `max_seq_len_to_capture` tokens (vLLM's names).
-    vLLM captures by default; here eager stays the default until the graph path's GPU tests have run
-    on a device (docs/benchmarks.md). On the CPU the flag changes nothing.
+    On CUDA with one GPU, steps replay captured CUDA graphs, as vLLM's do by default
+    (`pagedref.engine.cuda_graph`): a decode step one graph per padded batch size up to max_num_seqs,
+    for contexts up to `max_seq_len_to_capture` tokens; any other step of up to `max_capture_size`
+    tokens the graphs of the pieces between its attention calls. `enforce_eager=True` issues every
+    step's launches one by one instead. The CPU, and tensor parallelism (for now), always run eagerly.
 
     `record_logits=True` keeps each token's logits in `CompletionOutput.logits` (for tests).
     `scheduler_cls` / `block_manager_cls` (vLLM's SchedulerConfig has `scheduler_cls` too) build the
@@ -365,8 +369,9 @@ class LLM:
         scheduler_cls: type = Scheduler,
         block_manager_cls: type = BlockManager,
         tensor_parallel_size: int = 1,
-        enforce_eager: bool = True,
+        enforce_eager: bool = False,
         max_seq_len_to_capture: int = 8192,
+        max_capture_size: int = 2048,
     ) -> None:
         from pagedref.backends import get_backend
         from pagedref.distributed import TPGroup, check_tensor_parallel_size
@@ -388,9 +393,7 @@ class LLM:
         if swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 (GiB), got {swap_space}")
         _check_positive("max_seq_len_to_capture", max_seq_len_to_capture)
-        if not enforce_eager and device == "cuda" and tensor_parallel_size > 1:
-            raise ValueError("CUDA graphs (enforce_eager=False) are not supported with tensor_parallel_size > 1 yet: "
-                             "pass enforce_eager=True")
+        _check_positive("max_capture_size", max_capture_size)
 
         config = ModelConfig.from_pretrained(model)  # config.json, architecture: before anything heavy
         check_tensor_parallel_size(config, tensor_parallel_size)
@@ -448,11 +451,12 @@ class LLM:
             scheduler = scheduler_cls(SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode),
                                   block_manager)
             runner_args = (weights, backend, block_manager, num_kv_blocks, block_size, device, torch_dtype, num_cpu_blocks)
-            if workers:  # tensor parallel: eager (CUDA graphs with TP on CUDA are refused above)
+            if workers:  # tensor parallel: eager (every rank would have to capture and replay in step)
                 runner = workers.driver_runner(*runner_args)
             else:
                 graphs = None if enforce_eager or device != "cuda" else dict(
-                    max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_seq_len_to_capture=max_seq_len_to_capture)
+                    max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_seq_len_to_capture=max_seq_len_to_capture,
+                    max_capture_size=min(max_capture_size, max_num_batched_tokens))
                 runner = ModelRunner(*runner_args, graphs=graphs)
             self.llm_engine = LLMEngine(weights, tokenizer, runner, scheduler, max_model_len, seed, record_logits)
             self.num_kv_blocks = num_kv_blocks

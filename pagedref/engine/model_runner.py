@@ -6,8 +6,9 @@ sequences concatenated ([T] input ids and positions), their slot mapping, and pe
 start offset, context length and block table. Then, in this order: swap-outs (device → CPU),
 copy-on-write copies, swap-ins (CPU → device), the forward pass, and logits only for the rows that
 sample (the last token of a sequence whose prompt is now fully computed, or its decode token).
-On CUDA with `enforce_eager=False`, a decode-only step replays a captured CUDA graph instead of
-issuing the forward's launches one by one (`pagedref.engine.cuda_graph`).
+On CUDA (unless `enforce_eager`), a decode-only step replays one captured CUDA graph instead of
+issuing the forward's launches one by one, and any other step of up to `max_capture_size` tokens
+replays the graphs of the pieces between its attention calls (`pagedref.engine.cuda_graph`).
 
 KV pool sizing (`num_kv_blocks`):
 - explicit `num_kv_blocks`: exactly that many blocks;
@@ -84,8 +85,8 @@ class ModelRunner:
 
     def __init__(self, model, backend, block_manager, num_blocks: int, block_size: int, device, dtype: torch.dtype,
                  num_cpu_blocks: int = 0, tp_size: int = 1, graphs: dict | None = None) -> None:
-        """graphs: capture decode steps as CUDA graphs (`pagedref.engine.cuda_graph`), with these
-        DecodeGraphs arguments (max_num_seqs, max_model_len, max_seq_len_to_capture); None: every step eager."""
+        """graphs: capture CUDA graphs (`pagedref.engine.cuda_graph`): DecodeGraphs' arguments (max_num_seqs,
+        max_model_len, max_seq_len_to_capture) and PiecewiseGraphs' max_capture_size; None: every step eager."""
         self.model = model
         self.backend = backend
         self.block_manager = block_manager
@@ -102,11 +103,13 @@ class ModelRunner:
         self.cpu_caches = allocate_kv_caches(model.config, num_cpu_blocks, block_size, dtype, "cpu", pin, tp_size) \
             if num_cpu_blocks else []
         self.sampler = Sampler()
-        self.graphs = None
+        self.graphs = self.piecewise = None
         if graphs is not None:
-            from pagedref.engine.cuda_graph import DecodeGraphs
+            from pagedref.engine.cuda_graph import DecodeGraphs, PiecewiseGraphs
 
-            self.graphs = DecodeGraphs(model, backend, self.kv_caches, block_size, **graphs, first_scratch_block=num_blocks)
+            decode = {k: v for k, v in graphs.items() if k != "max_capture_size"}
+            self.graphs = DecodeGraphs(model, backend, self.kv_caches, block_size, **decode, first_scratch_block=num_blocks)
+            self.piecewise = PiecewiseGraphs(model, backend, self.kv_caches, graphs["max_capture_size"])
 
     # --- one step -------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> StepInput:
@@ -193,13 +196,15 @@ class ModelRunner:
         self.copy_blocks(blocks)
         if self.graphs is not None and self.graphs.can_replay(meta):
             return self.graphs.replay(input_ids, positions, meta)
+        if self.piecewise is not None and self.piecewise.can_replay(meta):
+            return self.piecewise.replay(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
 
     def sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
         return self.sampler(logits, rows, seqs)
 
     def close(self) -> None:
-        self.kv_caches, self.cpu_caches, self.graphs = [], [], None
+        self.kv_caches, self.cpu_caches, self.graphs, self.piecewise = [], [], None, None
 
 
 def slot_range(block_ids: list[int], start: int, end: int, block_size: int) -> Iterator[int]:

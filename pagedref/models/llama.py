@@ -223,15 +223,31 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, backend) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers (one (k, v) pair per layer)")
-        per_row = self.batch_invariant
-        with one_thread(per_row):
-            cos, sin = self.rotary(positions)  # [T, d/2]: table lookups, the same whatever the batch
-            x = self.embed_tokens(input_ids)  # [T, hidden]
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                q, k, v = map_rows(layer.attn_in, x, cos, sin, per_row=per_row)  # [T, H, d], [T, Hkv, d] x2
-                attn = backend.forward(q, k, v, kv_cache, meta, layer.self_attn.scale)  # [T, H, d]
-                x = map_rows(layer.attn_out_and_mlp, x, attn, per_row=per_row)
-            return map_rows(self.norm, x, per_row=per_row)
+        with one_thread(self.batch_invariant):
+            x, cos, sin = self.embed(input_ids, positions)
+            for i, kv_cache in enumerate(kv_caches):
+                q, k, v = self.layer_in(i, x, cos, sin)
+                attn = backend.forward(q, k, v, kv_cache, meta, self.layers[i].self_attn.scale)  # [T, H, d]
+                x = self.layer_out(i, x, attn)
+            return self.final_norm(x)
+
+    # The forward in its pieces: everything but attention works on each token row alone, which is what
+    # lets `pagedref.engine.cuda_graph` capture the pieces between two attention calls for a padded batch.
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """[T] ids and positions -> residual stream x [T, hidden], RoPE cos, sin [T, d/2] (table lookups)."""
+        cos, sin = self.rotary(positions)
+        return self.embed_tokens(input_ids), cos, sin
+
+    def layer_in(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Layer i before attention: x [T, hidden] -> q [T, H, d], k, v [T, Hkv, d]."""
+        return map_rows(self.layers[i].attn_in, x, cos, sin, per_row=self.batch_invariant)
+
+    def layer_out(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Layer i after attention: x [T, hidden], attn [T, H, d] -> the next residual stream [T, hidden]."""
+        return map_rows(self.layers[i].attn_out_and_mlp, x, attn, per_row=self.batch_invariant)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return map_rows(self.norm, x, per_row=self.batch_invariant)
 
 
 class LlamaForCausalLM(nn.Module):
