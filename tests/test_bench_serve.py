@@ -114,6 +114,24 @@ def test_serve_tensor_parallel_side_by_side(model_dir, capsys):
         assert r["skipped"] is None and r["requests"] == 3 and r["output_tokens"] == 9
 
 
+def test_serve_pagedref_eager_is_pagedref_without_graphs(model_dir, capsys):
+    """`pagedref-eager` runs the same requests through the same engine with enforce_eager=True; the note says
+    how each system's steps ran (on the CPU every step is eager)."""
+    assert serve.main(["--device", "cpu", "--num-prompts", "3", "--input-len", "5", "--output-len", "3", "--systems",
+                       "pagedref,pagedref-eager", "--model-dir", str(model_dir), "--json"]) == 0
+    (shape,) = json.loads(capsys.readouterr().out)["shapes"]
+    by = {r["system"]: r for r in shape["results"]}
+    assert set(by) == {"pagedref", "pagedref-eager"}
+    for r in by.values():
+        assert r["skipped"] is None and r["output_tokens"] == 9 and r["note"].endswith("steps, eager")
+
+
+def test_the_note_counts_graph_replays():
+    stats = {"num_cuda_graph_replays": 5, "num_piecewise_graph_replays": 2}
+    assert serve._graph_note(stats) == ", 5 decode + 2 piecewise graph replays"
+    assert serve._graph_note({"num_cuda_graph_replays": 0, "num_piecewise_graph_replays": 0}) == ", eager"
+
+
 @pytest.mark.parametrize("args, named", [
     (["--systems", "pagedref,vllm"], "vllm"),
     (["--systems", "pagedref-tp0"], "pagedref-tp0"),
