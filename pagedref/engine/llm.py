@@ -282,6 +282,7 @@ class LLMEngine:
         """The KV pool now (blocks total/used/free/cached/shared, token-state fraction) and, since the last
         reset (each `LLM.generate` starts one), the step statistics."""
         stats = dict(self.block_manager.stats())
+        decode_replays, piecewise_replays = self._graph_replays()
         stats.update(
             num_steps=self.num_steps,
             num_preemptions=self.scheduler.num_preemptions - self._preemptions_base,
@@ -295,8 +296,8 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens,
             num_batched_tokens=self.num_batched_tokens,
-            num_cuda_graph_replays=self._graph_replays()[0] - self._replays_base[0],  # decode steps, one graph each
-            num_piecewise_graph_replays=self._graph_replays()[1] - self._replays_base[1],  # other steps, in pieces
+            num_cuda_graph_replays=decode_replays - self._replays_base[0],  # decode steps, one graph each
+            num_piecewise_graph_replays=piecewise_replays - self._replays_base[1],  # other steps, in pieces
             block_size=self.block_manager.block_size,
         )
         return stats
