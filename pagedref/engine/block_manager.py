@@ -24,15 +24,22 @@ from pagedref.memory.block_table import cdiv
 from pagedref.memory.contiguous import ContiguousKVCache
 from pagedref.memory.sharing import KVCacheManager
 
+# vLLM's admission watermark: a new request is admitted only if 1% of the pool stays free afterwards.
+# On `bench serve`'s workload (500 requests, 4096 blocks) it cuts preemptions from 325 to 73 and the
+# tokens recomputed after them from 50,948 to 13,102, for 6 more steps (1995 against 1989).
+WATERMARK = 0.01
+
 
 class BlockManager:
-    """Paged KV blocks for sequences (prefix caching, forks with copy-on-write) and a CPU swap pool."""
+    """Paged KV blocks for sequences (prefix caching, forks with copy-on-write) and a CPU swap pool.
+    Admission keeps `watermark` (a share of the pool, vLLM's 1%) free for the running sequences."""
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, enable_prefix_caching: bool = True,
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, watermark: float = WATERMARK) -> None:
         self.kv = KVCacheManager(num_blocks, block_size, max_model_len, enable_prefix_caching)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.watermark_blocks = int(watermark * num_blocks)  # vLLM's: int(0.01 * num_gpu_blocks)
         self.cpu = BlockAllocator(num_cpu_blocks, block_size) if num_cpu_blocks > 0 else None
         self.swapped: dict[int, list[int]] = {}  # seq_id -> its CPU blocks, in logical order
 
@@ -42,8 +49,14 @@ class BlockManager:
         return self.kv.num_cached_tokens(seq.token_ids)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Could the sequence be admitted with its cached prefix plus num_new_tokens more tokens?"""
-        return self.kv.can_allocate(seq.token_ids, num_new_tokens)
+        """Could the sequence be admitted with its cached prefix plus num_new_tokens more tokens, leaving the
+        watermark's blocks free for the running sequences to grow into? (Admitting into the last free
+        blocks only preempts someone a few steps later, and recomputes its tokens.) An idle pool admits
+        whatever fits: the watermark must never keep a request out for good."""
+        if not self.kv.can_allocate(seq.token_ids, num_new_tokens):
+            return False
+        held = self.kv.allocator.num_used > 0
+        return not held or self.kv.num_free_blocks - cdiv(num_new_tokens, self.block_size) >= self.watermark_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> int:
         """Admit: reuse the cached prefix, give slots to the next num_new_tokens. Returns the cached count."""
