@@ -207,6 +207,13 @@ def _run(name: str, dtype: str = "float32", num_prompts: int = 4, **kw):
         llm.close()
 
 
+def _eager_and_graphed(name: str, dtype: str = "float32", graphed_kw: dict | None = None, **kw):
+    """The same requests run eagerly and with graphs (the default): (eager outputs, graphed outputs, graphed stats)."""
+    eager, _ = _run(name, dtype, enforce_eager=True, **kw)
+    graphed, stats = _run(name, dtype, **kw, **(graphed_kw or {}))
+    return eager, graphed, stats
+
+
 def _same(eager, graphed, atol: float = 1e-4) -> None:
     for (ids, logits), (g_ids, g_logits) in zip(eager, graphed):
         assert g_ids == ids
@@ -232,9 +239,7 @@ def test_graph_replays_give_the_eager_tokens_and_logits(name, max_num_seqs):
 @pytest.mark.parametrize("name", ["tiny-llama3-hd64", "tiny-qwen2-hd128"])
 def test_chunked_prefill_mixed_with_decodes_replays_the_pieces(name):
     # 48-token budget: the 128- and 300-token prompts go in chunks next to the shorter ones' decodes.
-    kw = dict(num_kv_blocks=128, max_num_batched_tokens=48)
-    eager, _ = _run(name, enforce_eager=True, **kw)
-    graphed, stats = _run(name, **kw)
+    eager, graphed, stats = _eager_and_graphed(name, num_kv_blocks=128, max_num_batched_tokens=48)
     assert stats["num_piecewise_graph_replays"] > 10 and stats["num_cuda_graph_replays"] > 0
     assert stats["num_cuda_graph_replays"] + stats["num_piecewise_graph_replays"] == stats["num_steps"]
     _same(eager, graphed)
@@ -245,9 +250,8 @@ def test_chunked_prefill_mixed_with_decodes_replays_the_pieces(name):
 def test_steps_past_the_captured_sizes_fall_back():
     # Prompts of 5 and 37 tokens. The first step (42 tokens) is more than the 32 captured in pieces: eager.
     # Decode steps replay one graph until the longer sequence passes 48 tokens of context, then the pieces.
-    kw = dict(num_kv_blocks=128, num_prompts=2)
-    eager, _ = _run("tiny-llama3-hd64", enforce_eager=True, **kw)
-    graphed, stats = _run("tiny-llama3-hd64", max_seq_len_to_capture=48, max_capture_size=32, **kw)
+    eager, graphed, stats = _eager_and_graphed("tiny-llama3-hd64", num_kv_blocks=128, num_prompts=2,
+                                               graphed_kw=dict(max_seq_len_to_capture=48, max_capture_size=32))
     assert stats["num_cuda_graph_replays"] > 0 and stats["num_piecewise_graph_replays"] > 0
     assert stats["num_cuda_graph_replays"] + stats["num_piecewise_graph_replays"] == stats["num_steps"] - 1
     _same(eager, graphed)
@@ -257,9 +261,7 @@ def test_steps_past_the_captured_sizes_fall_back():
 @needs_gpu
 def test_preemption_under_graphs_keeps_every_request_right():
     # 34 blocks of 16 (one sequence of max_model_len needs 32); the 4 requests need 37 by their end.
-    kw = dict(num_kv_blocks=34, max_num_batched_tokens=64)
-    eager, _ = _run("tiny-llama3-hd64", enforce_eager=True, **kw)
-    graphed, stats = _run("tiny-llama3-hd64", **kw)
+    eager, graphed, stats = _eager_and_graphed("tiny-llama3-hd64", num_kv_blocks=34, max_num_batched_tokens=64)
     assert stats["num_preemptions"] > 0 and stats["num_cuda_graph_replays"] > 0
     assert stats["num_piecewise_graph_replays"] > 0
     assert [ids for ids, _ in graphed] == [ids for ids, _ in eager]
@@ -268,8 +270,7 @@ def test_preemption_under_graphs_keeps_every_request_right():
 @pytest.mark.gpu
 @needs_gpu
 def test_bfloat16_graphs_run_the_tensor_core_kernels_like_eager():
-    eager, _ = _run("tiny-llama3-hd64", "bfloat16", num_kv_blocks=128, enforce_eager=True)
-    graphed, stats = _run("tiny-llama3-hd64", "bfloat16", num_kv_blocks=128)
+    eager, graphed, stats = _eager_and_graphed("tiny-llama3-hd64", "bfloat16", num_kv_blocks=128)
     assert stats["num_cuda_graph_replays"] > 0 and stats["num_piecewise_graph_replays"] > 0
     for (_, logits), (_, g_logits) in zip(eager, graphed):
         assert torch.isfinite(g_logits).all()

@@ -35,6 +35,8 @@ ones up to the linear layers' rounding; its attention is the eager call itself, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pagedref.backends.metadata import AttentionMetadata
@@ -42,11 +44,22 @@ from pagedref.memory.block_table import cdiv
 
 BATCH_SIZE_LADDER = (1, 2, 4, 8) + tuple(range(16, 4097, 16))  # vLLM's capture sizes
 MAX_SEQ_LEN_TO_CAPTURE = 8192  # vLLM's default: longer contexts run eagerly
-# Token counts of the piecewise graphs (vLLM's spacing: finer where steps are small), up to LLM's
+# Token counts of the piecewise graphs (vLLM's spacing: finer where steps are small), up to
 # max_capture_size, 2048 by default (vLLM: 512) so that chunks of a 2048-token budget and the serving
 # benchmark's mixed steps of ~300-1500 tokens (256 decodes plus admitted prompts) are captured; a
 # larger step's GPU work dwarfs its launches.
 PIECEWISE_SIZES = (1, 2, 4) + tuple(range(8, 256, 8)) + tuple(range(256, 1024, 32)) + tuple(range(1024, 8193, 128))
+
+
+@dataclass(frozen=True)
+class CUDAGraphConfig:
+    """What an engine captures (vLLM's names): decode graphs for batches up to max_num_seqs and contexts up
+    to max_seq_len_to_capture; piecewise graphs for steps of up to max_capture_size tokens."""
+
+    max_num_seqs: int
+    max_model_len: int
+    max_seq_len_to_capture: int = MAX_SEQ_LEN_TO_CAPTURE
+    max_capture_size: int = 2048
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

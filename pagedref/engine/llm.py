@@ -33,6 +33,7 @@ from typing import Any, Iterable
 import torch
 
 from pagedref.engine.block_manager import BlockManager, ContiguousBlockManager
+from pagedref.engine.cuda_graph import CUDAGraphConfig
 from pagedref.engine.model_runner import (GiB, MiB, ModelRunner, kv_block_bytes, num_blocks_from_budget,
                                           profile_num_gpu_blocks)
 from pagedref.engine.sampling import BeamSearchParams, SampleResult, SamplingParams, make_generator
@@ -455,9 +456,8 @@ class LLM:
             if workers:  # tensor parallel: eager (every rank would have to capture and replay in step)
                 runner = workers.driver_runner(*runner_args)
             else:
-                graphs = None if enforce_eager or device != "cuda" else dict(
-                    max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_seq_len_to_capture=max_seq_len_to_capture,
-                    max_capture_size=min(max_capture_size, max_num_batched_tokens))
+                graphs = None if enforce_eager or device != "cuda" else CUDAGraphConfig(
+                    max_num_seqs, max_model_len, max_seq_len_to_capture, min(max_capture_size, max_num_batched_tokens))
                 runner = ModelRunner(*runner_args, graphs=graphs)
             self.llm_engine = LLMEngine(weights, tokenizer, runner, scheduler, max_model_len, seed, record_logits)
             self.num_kv_blocks = num_kv_blocks

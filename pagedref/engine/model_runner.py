@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from pagedref.backends.metadata import AttentionMetadata
+from pagedref.engine.cuda_graph import CUDAGraphConfig, DecodeGraphs, PiecewiseGraphs, num_scratch_blocks
 from pagedref.engine.sampling import SampleResult, Sampler
 from pagedref.engine.scheduler import SchedulerOutput
 from pagedref.engine.sequence import Sequence
@@ -84,20 +85,15 @@ class ModelRunner:
     KV heads only, and `pagedref.distributed.worker` drives the other ranks through `run_model`."""
 
     def __init__(self, model, backend, block_manager, num_blocks: int, block_size: int, device, dtype: torch.dtype,
-                 num_cpu_blocks: int = 0, tp_size: int = 1, graphs: dict | None = None) -> None:
-        """graphs: capture CUDA graphs (`pagedref.engine.cuda_graph`): DecodeGraphs' arguments (max_num_seqs,
-        max_model_len, max_seq_len_to_capture) and PiecewiseGraphs' max_capture_size; None: every step eager."""
+                 num_cpu_blocks: int = 0, tp_size: int = 1, graphs: CUDAGraphConfig | None = None) -> None:
+        """graphs: capture CUDA graphs (`pagedref.engine.cuda_graph`) as configured; None: every step eager."""
         self.model = model
         self.backend = backend
         self.block_manager = block_manager
         self.block_size = block_size
         self.device = torch.device(device)
         # CUDA graphs pad their batches; the padding rows' K/V go to scratch blocks past the managed ones.
-        scratch = 0
-        if graphs is not None:
-            from pagedref.engine.cuda_graph import num_scratch_blocks
-
-            scratch = num_scratch_blocks(graphs["max_num_seqs"], block_size)
+        scratch = num_scratch_blocks(graphs.max_num_seqs, block_size) if graphs is not None else 0
         self.kv_caches = allocate_kv_caches(model.config, num_blocks + scratch, block_size, dtype, device, tp_size=tp_size)
         pin = self.device.type == "cuda"
         self.cpu_caches = allocate_kv_caches(model.config, num_cpu_blocks, block_size, dtype, "cpu", pin, tp_size) \
@@ -105,11 +101,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graphs = self.piecewise = None
         if graphs is not None:
-            from pagedref.engine.cuda_graph import DecodeGraphs, PiecewiseGraphs
-
-            decode = {k: v for k, v in graphs.items() if k != "max_capture_size"}
-            self.graphs = DecodeGraphs(model, backend, self.kv_caches, block_size, **decode, first_scratch_block=num_blocks)
-            self.piecewise = PiecewiseGraphs(model, backend, self.kv_caches, graphs["max_capture_size"])
+            self.graphs = DecodeGraphs(model, backend, self.kv_caches, block_size, graphs.max_num_seqs, graphs.max_model_len,
+                                       graphs.max_seq_len_to_capture, first_scratch_block=num_blocks)
+            self.piecewise = PiecewiseGraphs(model, backend, self.kv_caches, graphs.max_capture_size)
 
     # --- one step -------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> StepInput:
