@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("kernel", "memory", "serve", "latency", "step")
+BENCHMARKS = ("kernel", "memory", "serve", "latency", "step", "profile")
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,256 @@
+"""`python -m pagedref.bench profile`: where one decode step's time goes, paged cache against contiguous.
+
+One idea: `bench serve` says how much faster the paged engine is; this says why, per step. Both
+engines get the same requests and the same KV budget. The paged one runs all of them at once, the
+contiguous one as many as its max_model_len reservations fit (the rest wait, as in `bench serve`).
+Once every running sequence decodes, it measures one `LLMEngine.step()`:
+
+- wall: the step's wall-clock time, median over steps;
+- phases: schedule, prepare, forward, sample, other (as `bench step`; here `forward` includes the
+  GPU's work, since the step synchronizes right after the forward);
+- kernels (CUDA only, torch.profiler): GPU time in matrix multiplies, in attention (the paged
+  kernels and the cache write) and in everything else (norms, RoPE, activations, copies);
+- the roofline: what a step must read, the weights once and every running sequence's K/V in every
+  layer, over the matmul and attention time, as a share of the device's copy bandwidth measured
+  in the same run (a device-to-device copy: read + write bytes over its time).
+
+A paged step carries 8x the sequences of a contiguous one but costs far less than 8x: its matmuls
+read the same weights for more rows. How much less is what bounds `bench serve`'s ratio.
+
+Invariant: the numbers are the real engine's on the real shapes (random weights); nothing is asserted
+about them (benchmarks are code, not tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedref.bench import serve
+from pagedref.bench.memory import BLOCK_SIZE
+from pagedref.bench.step import PHASES, PhaseTimer
+
+KERNEL_CLASSES = ("gemm", "attention", "other")
+_GEMM_NAMES = ("gemm", "gemv", "nvjet", "cutlass", "cublas", "xmma", "splitkreduce")
+_ATTENTION_NAMES = ("paged_attention", "paged_prefill", "reshape_and_cache")
+
+
+@dataclass
+class ProfileResult:
+    kv_cache: str  # "paged" or "contiguous"
+    num_seqs: int  # sequences decoding in every measured step
+    mean_context_len: float  # tokens per sequence, mean over the measured steps
+    wall_ms: float  # per step, median
+    phases_ms: dict[str, float]  # per step, mean
+    kernels_ms: dict[str, float] | None  # per step, GPU time by KERNEL_CLASSES (None: no GPU)
+    weight_bytes: int  # the weights a step reads (an untied embedding table is only gathered from)
+    kv_bytes: float  # K/V a step reads: every running sequence's context, every layer
+    linear_flops: float  # 2 x rows x the weights' parameters
+
+    def bandwidth(self, what: str) -> float | None:
+        """Bytes per second the step's matmuls (what="gemm", the weights) or attention kernels
+        (what="attention", the K/V) achieved."""
+        if self.kernels_ms is None or self.kernels_ms[what] <= 0:
+            return None
+        nbytes = self.weight_bytes if what == "gemm" else self.kv_bytes
+        return nbytes / (self.kernels_ms[what] / 1e3)
+
+
+def kernel_class(name: str) -> str:
+    """'gemm', 'attention' or 'other' for a GPU kernel's name."""
+    low = name.lower()
+    if any(k in low for k in _ATTENTION_NAMES):
+        return "attention"
+    if any(k in low for k in _GEMM_NAMES):
+        return "gemm"
+    return "other"
+
+
+def classify_kernels(times_us: list[tuple[str, float]], steps: int) -> dict[str, float]:
+    """[(kernel name, GPU µs)] over `steps` steps -> ms per step in each class."""
+    out = {c: 0.0 for c in KERNEL_CLASSES}
+    for name, us in times_us:
+        out[kernel_class(name)] += us / 1e3 / steps
+    return out
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> float | None:
+    """The device's copy bandwidth in bytes/s (read + write); None on the CPU."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize(device)
+    return 2 * nbytes * reps / (start.elapsed_time(end) / 1e3)
+
+
+def _weights(model) -> tuple[int, int]:
+    """(bytes a step reads, parameters a row multiplies): every weight once, but an untied embedding
+    table (a step gathers its rows; the lm_head is a separate matrix)."""
+    params = {id(p): p for p in model.parameters()}
+    if not model.config.tie_word_embeddings:
+        params.pop(id(model.model.embed_tokens.weight))
+    return (sum(p.numel() * p.element_size() for p in params.values()), sum(p.numel() for p in params.values()))
+
+
+def _gpu_kernels(engine, steps: int) -> dict[str, float]:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step(final_only=True)
+        torch.cuda.synchronize()
+    # the kernels themselves (device events), not the CPU ops that launched them: no double count
+    times = [(e.key, e.self_device_time_total) for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    return classify_kernels(times, steps)
+
+
+def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, device: str, num_kv_blocks: int,
+            steps: int = 20, warmup: int = 3, seed: int = 0) -> ProfileResult:
+    """Add num_requests requests of prompt_len random tokens, step until every running one decodes,
+    then time `steps` steps three ways (wall, phases, kernels)."""
+    from pagedref import LLM, SamplingParams
+
+    if kv_cache not in ("paged", "contiguous"):
+        raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {kv_cache!r}")
+    if num_requests < 1 or prompt_len < 1 or steps < 1:
+        raise ValueError(f"num_requests, prompt_len and steps must be at least 1, got {num_requests}, {prompt_len}, {steps}")
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    llm = LLM(model=str(model_dir), kv_cache=kv_cache,
+              **serve.engine_args(device, dtype, num_kv_blocks, num_requests, None, 0.9))
+    engine = llm.llm_engine
+    try:
+        rng = random.Random(seed)
+        vocab = engine.vocab_size
+        max_tokens = warmup + 3 * steps + 64  # nobody finishes inside the measurement (+ the prefill steps)
+        for i in range(num_requests):
+            prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+            engine.add_request(f"p{i}", {"prompt_token_ids": prompt},
+                               SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        running = engine.scheduler.running
+        while not running or any(s.is_prefill for s in running):
+            engine.step()
+        for _ in range(warmup):
+            engine.step(final_only=True)
+        num_seqs, contexts = len(running), []
+
+        def timed_step() -> float:
+            if len(running) != num_seqs or any(s.is_prefill for s in running):
+                raise RuntimeError(f"the batch changed during the measurement ({num_seqs} -> {len(running)} running): "
+                                   "the pool is too small for a steady decode batch (fewer requests, or more KV blocks)")
+            contexts.append(statistics.mean(s.num_tokens for s in running))
+            t0 = time.perf_counter()
+            engine.step(final_only=True)
+            return time.perf_counter() - t0
+
+        wall = statistics.median(timed_step() for _ in range(steps))
+        phases = _phases(engine, timed_step, steps)
+        kernels = _gpu_kernels(engine, steps) if device == "cuda" else None
+        weight_bytes, num_params = _weights(engine.model)
+        cfg = engine.model.config
+        elem = engine.runner.kv_caches[0][0].element_size()
+        kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+        context = statistics.mean(contexts)
+        return ProfileResult(kv_cache, num_seqs, context, 1e3 * wall, phases, kernels, weight_bytes,
+                             num_seqs * context * kv_per_token, 2.0 * num_seqs * num_params)
+    finally:
+        llm.close()
+        serve._free(device)
+
+
+def _phases(engine, timed_step, steps: int) -> dict[str, float]:
+    """Per-step host phases (ms); the forward synchronizes, so the GPU's work is in it."""
+    run_model = engine.runner.run_model
+    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+
+    def synced(*args, **kwargs):
+        out = run_model(*args, **kwargs)
+        sync()
+        return out
+
+    engine.runner.run_model = synced
+    timer = PhaseTimer(engine)
+    try:
+        total = sum(timed_step() for _ in range(steps))
+    finally:
+        engine.runner.run_model = run_model
+    phases = {p: 1e3 * t / steps for p, t in timer.times.items()}
+    phases["other"] = 1e3 * total / steps - sum(phases.values())
+    return phases
+
+
+def print_report(doc: dict[str, Any]) -> None:
+    env = doc["environment"]
+    bw = doc["copy_bandwidth"]
+    print(f"profile: {env.get('gpu', env['device'])}, torch {env['torch']}, commit {env.get('commit')}, {env['date']}")
+    print(f"{doc['shape']}: {doc['num_requests']} requests of {doc['prompt_len']} tokens, KV budget "
+          f"{doc['num_kv_blocks'] * BLOCK_SIZE:,} token slots" + (f"; copy bandwidth {bw / 1e12:.2f} TB/s" if bw else ""))
+    print(f"{'kv_cache':<11}{'seqs':>5}{'context':>8}{'wall ms':>9}" + "".join(f"{p:>10}" for p in PHASES))
+    for r in doc["results"]:
+        print(f"{r['kv_cache']:<11}{r['num_seqs']:>5}{r['mean_context_len']:>8.0f}{r['wall_ms']:>9.2f}"
+              + "".join(f"{r['phases_ms'][p]:>10.2f}" for p in PHASES))
+    if not all(r["kernels_ms"] for r in doc["results"]):
+        return
+    print("GPU time per step (ms) and what it reads; bandwidth as a share of the copy bandwidth")
+    print(f"{'kv_cache':<11}{'gpu ms':>8}{'gemm':>8}{'attn':>8}{'other':>8}{'weights GB':>12}{'gemm TB/s':>11}"
+          f"{'TFLOP/s':>9}{'KV GB':>8}{'attn TB/s':>11}")
+    for r in doc["results"]:
+        res = ProfileResult(**r)
+        k = res.kernels_ms
+        g, a = res.bandwidth("gemm"), res.bandwidth("attention")
+        share = (lambda x: f" ({x / bw:.0%})" if bw and x else "")
+        print(f"{res.kv_cache:<11}{sum(k.values()):>8.2f}{k['gemm']:>8.2f}{k['attention']:>8.2f}{k['other']:>8.2f}"
+              f"{res.weight_bytes / 1e9:>12.2f}{(g or 0) / 1e12:>6.2f}{share(g):>5}{res.linear_flops / (k['gemm'] / 1e3) / 1e12:>9.0f}"
+              f"{res.kv_bytes / 1e9:>8.2f}{(a or 0) / 1e12:>6.2f}{share(a):>5}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pagedref.bench profile", description=__doc__.split("\n")[0])
+    ap.add_argument("--model-shape", default=None, help="llama-3.2-1b|llama-3.1-8b|tiny (default llama-3.1-8b on cuda, tiny on cpu)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--num-requests", type=int, default=256, help="requests added at once (the paged engine's batch)")
+    ap.add_argument("--prompt-len", type=int, default=160, help="tokens per prompt (bench serve's mean is 147)")
+    ap.add_argument("--num-kv-blocks", type=int, default=4096, help="the KV budget in blocks of 16, for both engines")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-dir", type=Path, default=Path(serve.tempfile.gettempdir()))
+    ap.add_argument("--json-out", type=Path, help="also write the results document here")
+    args = ap.parse_args(argv)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    shape = args.model_shape or ("llama-3.1-8b" if device == "cuda" else "tiny")
+    if shape not in serve.SHAPES:
+        ap.error(f"--model-shape {shape!r} is not one of {', '.join(serve.SHAPES)}")
+    for flag in ("num_requests", "prompt_len", "num_kv_blocks", "steps"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be at least 1")
+    model_dir = serve.random_model_dir(shape, args.model_dir, device, seed=args.seed)
+    results = [measure(model_dir, kv, args.num_requests, args.prompt_len, device, args.num_kv_blocks, args.steps,
+                       seed=args.seed) for kv in ("paged", "contiguous")]
+    doc = {"benchmark": "profile", "environment": serve.environment(device), "shape": shape,
+           "num_requests": args.num_requests, "prompt_len": args.prompt_len, "num_kv_blocks": args.num_kv_blocks,
+           "copy_bandwidth": copy_bandwidth(torch.device(device)), "results": [asdict(r) for r in results]}
+    if args.json_out:
+        args.json_out.write_text(json.dumps(doc, indent=1))
+    print_report(doc)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

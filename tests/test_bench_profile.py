@@ -1,0 +1,113 @@
+"""`python -m pagedref.bench profile`: what it measures and reports (no timing is asserted: benchmarks are code)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedref.bench import profile, serve
+from pagedref.bench.memory import MAX_MODEL_LEN
+from pagedref.bench.step import PHASES
+from pagedref.kernels import gpu_available
+
+needs_gpu = pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU and cupy")
+NUM_KV_BLOCKS = 512  # 8192 slots: the contiguous engine's 2048-slot reservations fit 4 sequences
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return serve.random_model_dir("tiny", tmp_path_factory.mktemp("models"), "cpu", log=lambda *a: None)
+
+
+def kv_bytes_per_token(shape: str, elem: int) -> int:
+    cfg = serve.SHAPES[shape]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * elem
+
+
+def test_paged_runs_every_request_and_contiguous_what_its_reservations_fit(tiny_dir):
+    paged = profile.measure(tiny_dir, "paged", 12, 40, "cpu", NUM_KV_BLOCKS, steps=2, warmup=1)
+    contiguous = profile.measure(tiny_dir, "contiguous", 12, 40, "cpu", NUM_KV_BLOCKS, steps=2, warmup=1)
+    assert paged.num_seqs == 12, "the paged pool holds all 12 prompts: every one decodes in the measured steps"
+    assert contiguous.num_seqs == NUM_KV_BLOCKS * 16 // MAX_MODEL_LEN, "one max_model_len reservation per sequence"
+    for r in (paged, contiguous):
+        assert set(r.phases_ms) == set(PHASES) and r.wall_ms > 0
+        assert r.kernels_ms is None and r.bandwidth("gemm") is None, "kernel times are measured on a GPU only"
+        # every sequence's context (prompt + its tokens so far), every layer, K and V, float32
+        assert 40 < r.mean_context_len < 40 + 1 + 3 * 2 + 64
+        assert r.kv_bytes == pytest.approx(r.num_seqs * r.mean_context_len * kv_bytes_per_token("tiny", 4))
+    # tiny ties its embeddings: the one table is the lm_head, read whole every step
+    assert paged.weight_bytes == contiguous.weight_bytes
+    assert paged.linear_flops == pytest.approx(2 * 12 * paged.weight_bytes / 4)
+
+
+def test_a_pool_too_small_for_a_steady_batch_is_refused(tiny_dir):
+    # 12 prompts of 200 tokens fill 13 blocks each, 156 of 160; 8 tokens later each needs a 14th: preemption
+    with pytest.raises(RuntimeError, match="pool is too small"):
+        profile.measure(tiny_dir, "paged", 12, 200, "cpu", 160, steps=5, warmup=1)
+
+
+def test_bad_kv_cache_is_refused(tiny_dir):
+    with pytest.raises(ValueError, match="kv_cache"):
+        profile.measure(tiny_dir, "paged-v2", 4, 8, "cpu", NUM_KV_BLOCKS)
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("nvjet_sm90_tst_128x96_64x7_4x1_v_bz_TNT", "gemm"),  # cuBLAS's Hopper GEMMs (H200 profile)
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32", "gemm"),
+    ("paged_attention_v3", "attention"),
+    ("paged_attention_reduce", "attention"),
+    ("paged_prefill_v2", "attention"),
+    ("reshape_and_cache", "attention"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>", "other"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>", "other"),
+    ("Memcpy HtoD (Pageable -> Device)", "other"),
+])
+def test_kernels_are_classed_by_name(name, cls):
+    assert profile.kernel_class(name) == cls
+
+
+def test_classify_kernels_sums_per_step():
+    times = [("nvjet_a", 3000.0), ("paged_attention_v3", 1000.0), ("nvjet_b", 1000.0), ("elementwise", 500.0)]
+    assert profile.classify_kernels(times, steps=2) == {"gemm": 2.0, "attention": 0.5, "other": 0.25}
+
+
+def test_bandwidth_is_bytes_over_the_class_time():
+    r = profile.ProfileResult("paged", 2, 10.0, 1.0, {}, {"gemm": 2.0, "attention": 0.5, "other": 0.1},
+                              weight_bytes=4_000_000, kv_bytes=1_000_000.0, linear_flops=1.0)
+    assert r.bandwidth("gemm") == pytest.approx(4_000_000 / 2e-3)
+    assert r.bandwidth("attention") == pytest.approx(1_000_000 / 0.5e-3)
+
+
+def test_main_writes_the_document_and_prints_both_engines(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert profile.main(["--device", "cpu", "--num-requests", "6", "--prompt-len", "24", "--num-kv-blocks",
+                         str(NUM_KV_BLOCKS), "--steps", "1", "--model-dir", str(tiny_dir.parent), "--json-out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["shape"] == "tiny" and doc["copy_bandwidth"] is None
+    assert [r["kv_cache"] for r in doc["results"]] == ["paged", "contiguous"]
+    assert [r["num_seqs"] for r in doc["results"]] == [6, 4]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split() == ["kv_cache", "seqs", "context", "wall", "ms", *PHASES]
+    assert lines[3].split()[:2] == ["paged", "6"] and lines[4].split()[:2] == ["contiguous", "4"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-requests", "0"], "--num-requests must be at least 1"),
+    (["--model-shape", "llama-70b"], "llama-70b"),
+])
+def test_bad_flags_name_themselves(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        profile.main(["--device", "cpu", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_on_a_gpu_the_kernels_are_timed_by_class(tiny_dir):
+    r = profile.measure(tiny_dir, "paged", 8, 32, "cuda", NUM_KV_BLOCKS, steps=2, warmup=1)
+    assert set(r.kernels_ms) == set(profile.KERNEL_CLASSES)
+    assert r.kernels_ms["gemm"] > 0 and r.kernels_ms["attention"] > 0, r.kernels_ms
+    assert r.bandwidth("attention") > 0
+    assert profile.copy_bandwidth(__import__("torch").device("cuda")) > 1e9
