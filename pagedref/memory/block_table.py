@@ -74,7 +74,8 @@ class BlockTable:
         need = self.num_new_blocks(num_new_tokens)
         if need > self.allocator.num_free:
             raise NoFreeBlocksError(f"need {need} more blocks, only {self.allocator.num_free} free")
-        self.block_ids.extend(self.allocator.allocate() for _ in range(need))
+        if need:  # (most decode steps take no block: skip building the generator)
+            self.block_ids.extend(self.allocator.allocate() for _ in range(need))
         start = self.num_tokens
         self.num_tokens += num_new_tokens
         bs, ids = self.block_size, self.block_ids  # the slot formula of `slot`, without its per-token check

@@ -97,9 +97,10 @@ class KVCacheManager:
         return self.allocator.num_free
 
     def _get(self, seq_id: int) -> SequenceBlocks:
-        if seq_id not in self.seqs:
-            raise FreedSequenceError(f"sequence {seq_id} has no blocks (never allocated, or already freed)")
-        return self.seqs[seq_id]
+        try:
+            return self.seqs[seq_id]
+        except KeyError:
+            raise FreedSequenceError(f"sequence {seq_id} has no blocks (never allocated, or already freed)") from None
 
     def block_ids(self, seq_id: int) -> list[int]:
         return self._get(seq_id).table.block_ids
@@ -169,7 +170,8 @@ class KVCacheManager:
 
     def _needs_copy(self, sb: SequenceBlocks) -> bool:
         t = sb.table
-        return t.num_tokens % self.block_size != 0 and self.allocator.ref_count(t.block_ids[-1]) > 1
+        # (ref_counts read directly: the table's own block ids are valid, no need to check them per step)
+        return t.num_tokens % self.block_size != 0 and self.allocator.ref_counts[t.block_ids[-1]] > 1
 
     def append_slots(self, seq_id: int, token_ids: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
         """Give slots to new tokens of a sequence. Returns (slot mapping, copies), where copies are the
