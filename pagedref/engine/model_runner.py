@@ -118,9 +118,14 @@ class ModelRunner:
         for seq, n in sched.scheduled:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             blocks = self.block_manager.block_ids(seq)
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(slot_range(blocks, start, end, bs))
+            if n == 1:  # a decode, most rows of most steps: one token, one slot, no slices or ranges
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(slot_range(blocks, start, end, bs))
             query_lens.append(n)
             context_lens.append(end)
             tables.append(blocks)
