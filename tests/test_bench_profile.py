@@ -41,6 +41,17 @@ def test_paged_runs_every_request_and_contiguous_what_its_reservations_fit(tiny_
     assert paged.linear_flops == pytest.approx(2 * 12 * paged.weight_bytes / 4)
 
 
+def test_the_bytes_read_are_those_of_the_kernel_timed_steps(tiny_dir):
+    # wall and phase windows: steps contexts c..c+2s-1 (mean c+s-1/2); the kernel window follows them
+    # (c+2s..c+3s-1, mean c+5s/2-1/2): its K/V bytes must be counted at its own contexts, 1.5 s later
+    steps = 2
+    timed = profile.measure(tiny_dir, "paged", 4, 20, "cpu", NUM_KV_BLOCKS, steps=steps, warmup=1, kernels=False)
+    kernel = profile.measure(tiny_dir, "paged", 4, 20, "cpu", NUM_KV_BLOCKS, steps=steps, warmup=1, kernels=True)
+    assert kernel.mean_context_len == timed.mean_context_len + 1.5 * steps
+    assert kernel.kernels_ms == {"gemm": 0.0, "attention": 0.0, "other": 0.0}, "the CPU has no kernel events"
+    assert kernel.kv_bytes == pytest.approx(4 * kernel.mean_context_len * kv_bytes_per_token("tiny", 4))
+
+
 def test_a_pool_too_small_for_a_steady_batch_is_refused(tiny_dir):
     # 12 prompts of 200 tokens fill 13 blocks each, 156 of 160; 8 tokens later each needs a 14th: preemption
     with pytest.raises(RuntimeError, match="pool is too small"):

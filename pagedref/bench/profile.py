@@ -47,7 +47,7 @@ _ATTENTION_NAMES = ("paged_attention", "paged_prefill", "reshape_and_cache")
 class ProfileResult:
     kv_cache: str  # "paged" or "contiguous"
     num_seqs: int  # sequences decoding in every measured step
-    mean_context_len: float  # tokens per sequence, mean over the measured steps
+    mean_context_len: float  # tokens per sequence, mean over the kernel-timed steps (CPU: the timed ones)
     wall_ms: float  # per step, median
     phases_ms: dict[str, float]  # per step, mean
     kernels_ms: dict[str, float] | None  # per step, GPU time by KERNEL_CLASSES (None: no GPU)
@@ -107,23 +107,25 @@ def _weights(model) -> tuple[int, int]:
     return (sum(p.numel() * p.element_size() for p in params.values()), sum(p.numel() for p in params.values()))
 
 
-def _gpu_kernels(engine, steps: int) -> dict[str, float]:
+def _gpu_kernels(step, steps: int) -> dict[str, float]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            engine.step(final_only=True)
-        torch.cuda.synchronize()
+            step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     # the kernels themselves (device events), not the CPU ops that launched them: no double count
     times = [(e.key, e.self_device_time_total) for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     return classify_kernels(times, steps)
 
 
 def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, device: str, num_kv_blocks: int,
-            steps: int = 20, warmup: int = 3, seed: int = 0) -> ProfileResult:
+            steps: int = 20, warmup: int = 3, seed: int = 0, kernels: bool | None = None) -> ProfileResult:
     """Add num_requests requests of prompt_len random tokens, step until every running one decodes,
-    then time `steps` steps three ways (wall, phases, kernels)."""
+    then time `steps` steps three ways (wall, phases, kernels). kernels: profile the GPU kernels
+    (None: on a GPU; on the CPU there are no kernel events, every class comes out 0)."""
     from pagedref import LLM, SamplingParams
 
     if kv_cache not in ("paged", "contiguous"):
@@ -160,13 +162,16 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
 
         wall = statistics.median(timed_step() for _ in range(steps))
         phases = _phases(engine, timed_step, steps)
-        kernels = _gpu_kernels(engine, steps) if device == "cuda" else None
+        kernel_ms = None
+        if kernels or (kernels is None and device == "cuda"):  # the bytes below are the kernel steps' own
+            contexts.clear()
+            kernel_ms = _gpu_kernels(timed_step, steps)
         weight_bytes, num_params = _weights(engine.model)
         cfg = engine.model.config
         elem = engine.runner.kv_caches[0][0].element_size()
         kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
         context = statistics.mean(contexts)
-        return ProfileResult(kv_cache, num_seqs, context, 1e3 * wall, phases, kernels, weight_bytes,
+        return ProfileResult(kv_cache, num_seqs, context, 1e3 * wall, phases, kernel_ms, weight_bytes,
                              num_seqs * context * kv_per_token, 2.0 * num_seqs * num_params)
     finally:
         llm.close()
