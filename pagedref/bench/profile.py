@@ -111,10 +111,11 @@ def _gpu_kernels(step, steps: int) -> dict[str, float]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    gpu = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
         for _ in range(steps):
             step()
-        if torch.cuda.is_available():
+        if gpu:
             torch.cuda.synchronize()
     # the kernels themselves (device events), not the CPU ops that launched them: no double count
     times = [(e.key, e.self_device_time_total) for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
