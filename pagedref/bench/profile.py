@@ -195,9 +195,7 @@ def _phases(engine, timed_step, steps: int) -> dict[str, float]:
         total = sum(timed_step() for _ in range(steps))
     finally:
         engine.runner.run_model = run_model
-    phases = {p: 1e3 * t / steps for p, t in timer.times.items()}
-    phases["other"] = 1e3 * total / steps - sum(phases.values())
-    return phases
+    return timer.per_step_ms(total, steps)
 
 
 def print_report(doc: dict[str, Any]) -> None:

@@ -142,6 +142,12 @@ class PhaseTimer:
         for p in self.times:
             self.times[p] = 0.0
 
+    def per_step_ms(self, total_s: float, steps: int) -> dict[str, float]:
+        """Each phase's mean ms per step, and "other": the rest of the steps' total_s seconds."""
+        phases = {p: 1e3 * t / steps for p, t in self.times.items()}
+        phases["other"] = 1e3 * total_s / steps - sum(phases.values())
+        return phases
+
 
 @dataclass
 class StepResult:
@@ -192,10 +198,8 @@ def measure(workload: str, num_seqs: int, vocab_size: int, steps: int, warmup: i
         if k >= warmup:
             totals.append(dt)
             batched.append(engine.num_batched_tokens - tokens_before)
-    phases = {p: 1e3 * t / steps for p, t in timer.times.items()}
-    phases["other"] = 1e3 * sum(totals) / steps - sum(phases.values())
     return StepResult(workload, sampling, final_only, num_seqs, vocab_size, steps, statistics.mean(batched),
-                      1e3 * statistics.median(totals), phases)
+                      1e3 * statistics.median(totals), timer.per_step_ms(sum(totals), steps))
 
 
 def main(argv: list[str] | None = None) -> int:
