@@ -158,15 +158,30 @@ def test_latency_tiny_chunked_and_unchunked(model_dir, tmp_path, capsys):
                        "--model-dir", str(model_dir), "--json", "--json-out", str(out)]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert json.loads(out.read_text()) == doc
-    assert [r["config"] for r in doc["results"]] == ["no-chunking", "chunked-16"]
+    assert [r["config"] for r in doc["results"]] == ["no-chunking", "prefill-first", "chunked-16"]
     for r in doc["results"]:
         assert r["output_tokens"] == 3 * 4 + 2
         assert 0 <= r["itl_p50_ms"] <= r["itl_p99_ms"] <= r["itl_max_ms"]
         assert r["makespan_s"] > 0 and r["preemptions"] == 0
-    unchunked, chunked = doc["results"]
+    unchunked, prefill_first, chunked = doc["results"]
     # The 48-token prompt is spread over >= 3 steps of 16 tokens; unchunked it takes one step.
     assert chunked["steps"] > unchunked["steps"]
     assert chunked["max_num_batched_tokens"] == 16 and unchunked["max_num_batched_tokens"] > 48
+    assert prefill_first["max_num_batched_tokens"] == unchunked["max_num_batched_tokens"], "only the policy differs"
+    head = doc["table"].splitlines()[0]
+    assert "p99/no-chunking" in head and "p99/prefill-first" in head, "P99 relative to each unchunked baseline"
+
+
+def test_latency_runs_the_unchunked_policies_asked_for(model_dir, capsys):
+    assert latency.main(["--device", "cpu", "--num-short", "2", "--num-long", "1", "--budgets", "16", "--unchunked",
+                         "prefill-first", "--long-prompt-len", "20", "--short-output-len", "2", "--long-output-len", "1",
+                         "--model-dir", str(model_dir), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["config"] for r in doc["results"]] == ["prefill-first", "chunked-16"]
+    assert latency.main(["--device", "cpu", "--num-short", "2", "--num-long", "1", "--budgets", "16", "--unchunked", "",
+                         "--long-prompt-len", "20", "--short-output-len", "2", "--long-output-len", "1",
+                         "--model-dir", str(model_dir), "--json"]) == 0
+    assert [r["config"] for r in json.loads(capsys.readouterr().out)["results"]] == ["chunked-16"]
 
 
 def test_latency_trace():
@@ -186,6 +201,7 @@ def test_latency_trace():
     (["--budgets", "0"], "--budgets"),
     (["--model-shape", "gpt2"], "gpt2"),
     (["--num-short", "0"], "--num-short"),
+    (["--unchunked", "v0"], "--unchunked"),
 ])
 def test_latency_bad_flags(capsys, args, named):
     with pytest.raises(SystemExit) as exc:

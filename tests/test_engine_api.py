@@ -227,6 +227,7 @@ def test_bad_requests_are_refused_before_any_work(llm, prompts, params, error, m
     (dict(max_model_len=513), "max_position_embeddings"), (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
     (dict(enable_chunked_prefill=False, max_num_batched_tokens=100), "max_num_batched_tokens"),
     (dict(dtype="int8"), "dtype"), (dict(num_kv_blocks=0), "num_kv_blocks"), (dict(swap_space=-1), "swap_space"),
+    (dict(prefill_first=True), "prefill_first"),
 ])
 def test_bad_engine_arguments_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -116,13 +116,14 @@ class CheckingEngine(LLMEngine):
 
 
 def make_engine(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
-                chunked=True, prefix_caching=True, preemption_mode="recompute", contiguous=False, seed=0):
+                chunked=True, prefix_caching=True, preemption_mode="recompute", contiguous=False, seed=0,
+                prefill_first=False):
     num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
     if contiguous:
         bm = ContiguousBlockManager(num_blocks, block_size, max_model_len)
     else:
         bm = BlockManager(num_blocks, block_size, max_model_len, prefix_caching, num_cpu_blocks)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked, preemption_mode), bm)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked, preemption_mode, prefill_first), bm)
     model = ChainModel()
     runner = ModelRunner(model, ReferenceBackend(), bm, num_blocks, block_size, "cpu", torch.float64, num_cpu_blocks)
     return CheckingEngine(model, NumberTokenizer(), runner, scheduler, max_model_len, seed=seed)
@@ -185,18 +186,21 @@ def seeded(requests):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), block_size=st.sampled_from([1, 2, 4, 8]), budget=st.sampled_from([1, 3, 8, 64]),
-       chunked=st.booleans(), prefix_caching=st.booleans(), mode=st.sampled_from(["recompute", "swap"]),
-       max_num_seqs=st.sampled_from([1, 3, 16]))
-def test_random_workloads_match_each_request_alone(seed, block_size, budget, chunked, prefix_caching, mode, max_num_seqs):
+       policy=st.sampled_from(["chunked", "mixed", "prefill-first"]), prefix_caching=st.booleans(),
+       mode=st.sampled_from(["recompute", "swap"]), max_num_seqs=st.sampled_from([1, 3, 16]))
+def test_random_workloads_match_each_request_alone(seed, block_size, budget, policy, prefix_caching, mode, max_num_seqs):
+    """Chunked prefill, or whole prompts mixed with decodes (vLLM v1), or in steps of their own (v0)."""
     rng = random.Random(seed)
     max_model_len = 32
+    chunked = policy == "chunked"
     if not chunked:
         budget = max(budget, max_model_len)
     # A pool barely larger than one max-length sequence: preemption is the rule, not the exception.
     num_blocks = cdiv(max_model_len, block_size) + rng.randint(0, 3)
     requests = seeded(random_requests(rng, rng.randint(1, 8), max_prompt=20, max_tokens=12))
     arrivals = [rng.randint(0, 6) for _ in requests]
-    engine = make_engine(num_blocks, block_size, max_model_len, max_num_seqs, budget, chunked, prefix_caching, mode)
+    engine = make_engine(num_blocks, block_size, max_model_len, max_num_seqs, budget, chunked, prefix_caching, mode,
+                         prefill_first=policy == "prefill-first")
     got = run(engine, requests, arrivals)
     assert tokens(got) == tokens(alone(requests, max_model_len))
 

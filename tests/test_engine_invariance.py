@@ -68,9 +68,11 @@ def test_chunked_prefill_budgets_cold_then_warm_prefix_cache(alone, budget):
     assert_no_leak(llm)
 
 
-def test_without_chunked_prefill(alone):
-    llm = make_llm(num_kv_blocks=64, enable_chunked_prefill=False, max_num_batched_tokens=MAX_MODEL_LEN)
-    assert_same_as_alone(llm.generate(PROMPTS, PARAMS), alone, "unchunked")
+@pytest.mark.parametrize("prefill_first", [False, True], ids=["mixed", "prefill-first"])
+def test_without_chunked_prefill(alone, prefill_first):
+    llm = make_llm(num_kv_blocks=64, enable_chunked_prefill=False, max_num_batched_tokens=MAX_MODEL_LEN,
+                   prefill_first=prefill_first)
+    assert_same_as_alone(llm.generate(PROMPTS, PARAMS), alone, f"unchunked, prefill_first={prefill_first}")
     assert_no_leak(llm)
 
 

@@ -6,8 +6,9 @@ running chat request waits that whole step for its next token: an inter-token la
 With chunked prefill (stage 7) a step carries at most `max_num_batched_tokens` tokens, decodes
 first, so the long prompt is spread over several steps and no decode waits long. The same arrival
 trace (Poisson chat arrivals, long prompts at fixed intervals, wall-clock times) is replayed through
-`LLMEngine.add_request` / `step` for chunked prefill at budgets 512, 2048 and 8192 and without
-chunking. Every token's wall time is recorded when the step that sampled it returns; ITL is the gap
+`LLMEngine.add_request` / `step` for chunked prefill at budgets 512, 2048 and 8192 and for the two
+policies without chunking: `no-chunking` (a whole prompt mixed into the decodes' step: vLLM v1,
+Orca) and `prefill-first` (prompts in steps of their own, decodes wait: vLLM v0, nano-vllm). Every token's wall time is recorded when the step that sampled it returns; ITL is the gap
 between consecutive tokens of a chat request, TTFT the wait for the first one.
 
 Throughput is tokens over the makespan (first arrival to last token). While the engine keeps up with
@@ -108,18 +109,28 @@ def replay(engine, trace: list[Arrival]) -> tuple[Timeline, float, int]:
     return tl, time.perf_counter() - start, steps
 
 
-def run_config(model_dir: Path, trace: list[Arrival], budget: int | None, args: argparse.Namespace, device: str,
+# The unchunked policies: configuration name → prefill_first.
+UNCHUNKED = {"no-chunking": False, "prefill-first": True}
+
+
+def config_name(budget: int | str) -> str:
+    return budget if isinstance(budget, str) else f"chunked-{budget}"
+
+
+def run_config(model_dir: Path, trace: list[Arrival], budget: int | str, args: argparse.Namespace, device: str,
                max_model_len: int, log) -> dict[str, Any]:
-    """One configuration: chunked prefill at `budget` tokens per step, or no chunking (budget None)."""
+    """One configuration: chunked prefill at `budget` tokens per step, or an unchunked policy by name."""
     from pagedref import LLM, SamplingParams
 
-    name = f"chunked-{budget}" if budget else "no-chunking"
-    # Without chunking a whole prompt must fit in one step beside every running decode.
-    tokens = budget or max_model_len + args.max_num_seqs
+    name = config_name(budget)
+    chunked = not isinstance(budget, str)
+    # Without chunking a whole prompt must fit in one step beside every running decode (the same
+    # budget for both policies, so the policy is the only difference).
+    tokens = budget if chunked else max_model_len + args.max_num_seqs
     llm = LLM(model=str(model_dir), device=device, dtype="bfloat16" if device == "cuda" else "float32",
               max_model_len=max_model_len, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=tokens,
-              enable_chunked_prefill=budget is not None, enable_prefix_caching=False, num_kv_blocks=args.num_kv_blocks,
-              enforce_eager=args.enforce_eager)
+              enable_chunked_prefill=chunked, enable_prefix_caching=False, num_kv_blocks=args.num_kv_blocks,
+              enforce_eager=args.enforce_eager, prefill_first=not chunked and UNCHUNKED[budget])
     try:
         llm.generate([{"prompt_token_ids": trace[0].prompt_token_ids[:8]}], SamplingParams(temperature=0, max_tokens=4))  # warm-up
         _sync(device)
@@ -148,19 +159,21 @@ def run_config(model_dir: Path, trace: list[Arrival], budget: int | None, args: 
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    base = next((r for r in rows if r["config"] == "no-chunking"), None)
-    head = (f"{'config':<15} {'ITL p50 ms':>10} {'ITL p99 ms':>10} {'p99/unchunked':>13} {'ITL max ms':>10} "
-            f"{'TTFT chat p50':>13} {'TTFT long p50':>13} {'out tok/s':>9} {'vs unchunked':>12} {'steps':>6} {'preempt':>7}")
+    """One line per configuration; P99 and throughput relative to each unchunked policy that ran."""
+    bases = [r for r in rows if r["config"] in UNCHUNKED and "skipped" not in r]
+    head = (f"{'config':<15} {'ITL p50 ms':>10} {'ITL p99 ms':>10} {'ITL max ms':>10} {'TTFT chat p50':>13} "
+            f"{'TTFT long p50':>13} {'out tok/s':>9} {'steps':>6} {'preempt':>7}"
+            + "".join(f" {'p99/' + b['config']:>18} {'tok/s vs ' + b['config']:>23}" for b in bases))
     lines = [head, "-" * len(head)]
     for r in rows:
         if "skipped" in r:
             lines.append(f"{r['config']:<15} failed: {r['skipped']}")
             continue
-        p99 = f"{r['itl_p99_ms'] / base['itl_p99_ms']:.1%}" if base and "skipped" not in base else "-"
-        tput = f"{r['output_tokens_per_s'] / base['output_tokens_per_s'] - 1:+.1%}" if base and "skipped" not in base else "-"
-        lines.append(f"{r['config']:<15} {r['itl_p50_ms']:>10.1f} {r['itl_p99_ms']:>10.1f} {p99:>13} {r['itl_max_ms']:>10.1f} "
+        rel = "".join(f" {r['itl_p99_ms'] / b['itl_p99_ms']:>18.1%} {r['output_tokens_per_s'] / b['output_tokens_per_s'] - 1:>+23.1%}"
+                      for b in bases)
+        lines.append(f"{r['config']:<15} {r['itl_p50_ms']:>10.1f} {r['itl_p99_ms']:>10.1f} {r['itl_max_ms']:>10.1f} "
                      f"{r['ttft_chat_p50_ms']:>13.1f} {r['ttft_long_p50_ms']:>13.1f} {r['output_tokens_per_s']:>9.1f} "
-                     f"{tput:>12} {r['steps']:>6} {r['preemptions']:>7}")
+                     f"{r['steps']:>6} {r['preemptions']:>7}{rel}")
     return "\n".join(lines)
 
 
@@ -171,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--long-prompt-len", type=int, default=None, help="tokens of each long prompt (cuda 8192, cpu 256)")
     p.add_argument("--budgets", default=None, help="chunked-prefill token budgets, comma-separated (cuda 512,2048,8192; cpu 16,64,256)")
-    p.add_argument("--no-unchunked", action="store_true", help="skip the run without chunking")
+    p.add_argument("--unchunked", default=",".join(UNCHUNKED),
+                   help="the policies without chunking to run first, comma-separated: no-chunking (a prompt mixed into "
+                        "the decodes' step, vLLM v1), prefill-first (prompts in steps of their own, vLLM v0); '' for none")
     p.add_argument("--num-short", type=int, default=None, help="chat requests (cuda 480, cpu 8)")
     p.add_argument("--num-long", type=int, default=None, help="long-prompt requests (cuda 60, cpu 2)")
     p.add_argument("--request-rate", type=float, default=None, help="chat arrivals per second, inf = all at once (cuda 16)")
@@ -221,8 +236,9 @@ def print_report(doc: dict[str, Any]) -> None:
     print(doc["table"])
 
 
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, list[int]]:
-    """(device, budgets), every flag checked; the device's defaults (and --quick's cut) filled in."""
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, list[int | str]]:
+    """(device, configurations: unchunked policy names, then budgets), every flag checked; the device's
+    defaults (and --quick's cut) filled in."""
     import tempfile
 
     from pagedref.generate import resolve_device
@@ -242,13 +258,17 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
         parser.error(f"--budgets {args.budgets!r}: expected comma-separated integers")
     if any(b < 1 for b in budgets):
         parser.error(f"--budgets {args.budgets!r}: every budget must be >= 1")
+    unchunked = [u.strip() for u in args.unchunked.split(",") if u.strip()]
+    for u in unchunked:
+        if u not in UNCHUNKED:
+            parser.error(f"--unchunked {u!r}: choose from {', '.join(UNCHUNKED)}")
     for flag in ("long_prompt_len", "num_short", "short_output_len", "long_output_len", "num_kv_blocks", "max_num_seqs"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.num_long < 0 or args.long_interval < 0 or not args.request_rate > 0:
         parser.error("--num-long and --long-interval must be >= 0 and --request-rate > 0")
     args.model_dir = args.model_dir or Path(tempfile.gettempdir())
-    return device, budgets
+    return device, [*unchunked, *budgets]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_or_replay(parser, argv, print_report, plot)
     if args is None:
         return 0
-    device, budgets = check_args(parser, args)
+    device, configs = check_args(parser, args)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     cfg = SHAPES[args.model_shape]
     max_model_len = max(args.long_prompt_len + args.long_output_len, 1024 + args.short_output_len)
@@ -272,12 +292,12 @@ def main(argv: list[str] | None = None) -> int:
                         "chat_output_len": args.short_output_len, "long_output_len": args.long_output_len,
                         "num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs},
            "results": []}
-    for budget in ([] if args.no_unchunked else [None]) + budgets:  # the unchunked baseline first
+    for budget in configs:  # the unchunked baselines first
         try:
             row = run_config(model_dir, trace, budget, args, device, max_model_len, log)
         except Exception as err:  # keep the other configurations' numbers
-            log(f"[latency] {budget or 'no-chunking'} failed: {type(err).__name__}: {err}")
-            row = {"config": f"chunked-{budget}" if budget else "no-chunking", "skipped": f"{type(err).__name__}: {err}"}
+            log(f"[latency] {config_name(budget)} failed: {type(err).__name__}: {err}")
+            row = {"config": config_name(budget), "skipped": f"{type(err).__name__}: {err}"}
             _free(device)
         doc["results"].append(row)
         if args.json_out:

@@ -344,6 +344,9 @@ class LLM:
     tokens the graphs of the pieces between its attention calls. `enforce_eager=True` issues every
     step's launches one by one instead. The CPU, and tensor parallelism (for now), always run eagerly.
 
+    Without chunked prefill a whole prompt shares its step with the running decodes (vLLM v1);
+    `prefill_first=True` gives prompts steps of their own instead, before any decode (vLLM v0).
+
     `record_logits=True` keeps each token's logits in `CompletionOutput.logits` (for tests).
     `scheduler_cls` / `block_manager_cls` (vLLM's SchedulerConfig has `scheduler_cls` too) build the
     engine around other implementations of stage 6's classes: the course grades a learner's with them.
@@ -374,6 +377,7 @@ class LLM:
         enforce_eager: bool = False,
         max_seq_len_to_capture: int = 8192,
         max_capture_size: int = 2048,
+        prefill_first: bool = False,
     ) -> None:
         from pagedref.backends import get_backend
         from pagedref.distributed import TPGroup, check_tensor_parallel_size
@@ -384,6 +388,9 @@ class LLM:
         _check_positive("block_size", block_size)
         max_num_seqs = 256 if max_num_seqs is None else max_num_seqs
         _check_positive("max_num_seqs", max_num_seqs)
+        if prefill_first and enable_chunked_prefill:
+            raise ValueError("prefill_first=True is vLLM v0's policy without chunked prefill: "
+                             "pass enable_chunked_prefill=False with it")
         if kv_cache not in ("paged", "contiguous"):
             raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {kv_cache!r}")
         if preemption_mode not in ("recompute", "swap"):
@@ -450,8 +457,8 @@ class LLM:
                 block_manager = block_manager_cls(num_kv_blocks, block_size, max_model_len, enable_prefix_caching, num_cpu_blocks)
             else:
                 block_manager = ContiguousBlockManager(num_kv_blocks, block_size, max_model_len)
-            scheduler = scheduler_cls(SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode),
-                                  block_manager)
+            scheduler = scheduler_cls(SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
+                                                      preemption_mode, prefill_first), block_manager)
             runner_args = (weights, backend, block_manager, num_kv_blocks, block_size, device, torch_dtype, num_cpu_blocks)
             if workers:  # tensor parallel: eager (every rank would have to capture and replay in step)
                 runner = workers.driver_runner(*runner_args)

@@ -21,6 +21,12 @@ at once. Each step, `schedule()` spends a budget of `max_num_batched_tokens` tok
    prefix cache holds, in one chunk of whatever budget is left (chunked prefill, stage 7), or whole
    or not at all (chunking disabled).
 
+`prefill_first=True` (with chunking disabled) is vLLM v0's policy instead, and nano-vllm's: pass 3
+runs first (unless a sequence is swapped out), and a step that admits any prompt carries prompts
+only; passes 1 and 2 run only in steps that admit none. Running sequences then wait for every
+prefill step in a row, which is the inter-token stall chunked prefill was made to remove; the latency
+benchmark measures it beside the mixed policy above.
+
 Why never preempt a sequence already scheduled in this step: its new tokens' slots, and the
 prefix-cache entries of blocks they fill, exist from the moment they are allocated, and another
 sequence admitted later in the same step may already have been handed those blocks as cache hits
@@ -46,6 +52,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap"
+    prefill_first: bool = False  # vLLM v0's policy without chunking: a step admits prompts or decodes, never both
 
 
 @dataclass
@@ -67,10 +74,27 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class _Step:
+    """One `schedule()` call in progress: its output so far and the token budget it has left."""
+
+    budget: int
+    out: SchedulerOutput = field(default_factory=SchedulerOutput)
+    scheduled_ids: set[int] = field(default_factory=set)
+
+    def take(self, seq: Sequence, n: int) -> None:
+        self.out.scheduled.append((seq, n))
+        self.scheduled_ids.add(seq.seq_id)
+        self.budget -= n
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager | ContiguousBlockManager) -> None:
         if config.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {config.preemption_mode!r}")
+        if config.prefill_first and config.enable_chunked_prefill:
+            raise ValueError("prefill_first is vLLM v0's policy without chunked prefill: "
+                             "set enable_chunked_prefill=False (chunked prefill schedules decodes first)")
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()  # new, or preempted by recompute (at the front)
@@ -89,46 +113,54 @@ class Scheduler:
 
     # --- the step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[int] = set()
+        step = _Step(self.config.max_num_batched_tokens)
+        if self.config.prefill_first:  # vLLM v0 without chunking: new prompts first, in steps of their own
+            if not self.swapped:
+                self._schedule_waiting(step)
+            if step.out.scheduled:
+                return step.out  # a prefill step: every running sequence waits for the next one
+            self._schedule_running(step)
+            self._schedule_swapped(step)
+            return step.out
+        self._schedule_running(step)
+        self._schedule_swapped(step)
+        self._schedule_waiting(step)
+        return step.out
 
-        def take(seq: Sequence, n: int) -> None:
-            nonlocal budget
-            out.scheduled.append((seq, n))
-            scheduled_ids.add(seq.seq_id)
-            budget -= n
-
-        # 1. Running: decodes first, then the next chunk of each partly prefilled prompt.
+    def _schedule_running(self, step: _Step) -> None:
+        """1. Running: decodes first, then the next chunk of each partly prefilled prompt."""
+        out = step.out
         decodes, prefills = [], []
         for seq in self.running:
             (prefills if seq.is_prefill else decodes).append(seq)
         for seq in decodes + prefills:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted above, as someone's victim
-            if budget == 0 or len(out.scheduled) == self.config.max_num_seqs:
+            if step.budget == 0 or len(out.scheduled) == self.config.max_num_seqs:
                 break
             n = seq.num_uncomputed_tokens
-            if n > budget:
+            if n > step.budget:
                 if not self.config.enable_chunked_prefill:
                     continue
-                n = budget
+                n = step.budget
             while not self.block_manager.can_append(seq, n):
                 if self.paused:  # idle beams give their blocks back first
                     self._drop_paused()
                     continue
-                victim = self._pick_victim(seq, scheduled_ids)
+                victim = self._pick_victim(seq, step.scheduled_ids)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
                 out.blocks_to_copy += self.block_manager.append_slots(seq, n)
-                take(seq, n)
+                step.take(seq, n)
 
-        # 2. Swapped, back in admission order; not in a step that swapped someone out.
-        while self.swapped and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_swapped(self, step: _Step) -> None:
+        """2. Swapped, back in admission order; not in a step that swapped someone out."""
+        out = step.out
+        while self.swapped and not out.preempted and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, step.budget)
             if seq.is_prefill and not self.config.enable_chunked_prefill and n < seq.num_uncomputed_tokens:
                 break
             while not self.block_manager.can_swap_in(seq, n) and self.paused:
@@ -140,18 +172,19 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.blocks_to_copy += self.block_manager.append_slots(seq, n)
-            take(seq, n)
+            step.take(seq, n)
 
-        # 3. Waiting, first come first served: the prompt minus its cached prefix, in what budget is left.
-        while (self.waiting and not self.swapped and not out.preempted and budget > 0
+    def _schedule_waiting(self, step: _Step) -> None:
+        """3. Waiting, first come first served: the prompt minus its cached prefix, in what budget is left."""
+        while (self.waiting and not self.swapped and not step.out.preempted and step.budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             num_cached = self.block_manager.num_cached_tokens(seq)
             n = seq.num_tokens - num_cached  # >= 1: the cache never covers the last token
-            if n > budget:
+            if n > step.budget:
                 if not self.config.enable_chunked_prefill:
                     break
-                n = budget
+                n = step.budget
             while not self.block_manager.can_allocate(seq, n) and self.paused:
                 self._drop_paused()
             if not self.block_manager.can_allocate(seq, n):
@@ -160,8 +193,7 @@ class Scheduler:
             seq.num_computed_tokens = self.block_manager.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            take(seq, n)
-        return out
+            step.take(seq, n)
 
     def _pick_victim(self, seq: Sequence, scheduled_ids: set[int]) -> Sequence:
         """The most recently admitted running sequence not scheduled this step; else the requester itself."""

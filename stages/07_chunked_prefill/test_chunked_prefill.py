@@ -154,3 +154,29 @@ def test_step7_on_a_real_model_every_budget_gives_the_unchunked_logits_bit_for_b
         for got, ref, prompt in zip((o.outputs[0] for o in llm.generate(prompts, params)), want, prompts):
             assert got.token_ids == ref.token_ids and torch.equal(got.logits, ref.logits), \
                 f"stage 7: budget {budget}: {prompt!r} must get the unchunked logits bit for bit"
+
+
+def test_step8_vllm_v0_without_chunking_gives_prompts_steps_of_their_own_and_decodes_wait():
+    config = sched_mod.SchedulerConfig(8, 16, False, "recompute", True)  # chunking off, prefill_first on
+    s = sched_mod.Scheduler(config, BlockManager(32, 4, max_model_len=64, enable_prefix_caching=False))
+    a = make_seq(1, [1, 2, 3])
+    s.add(a)
+    advance(s.schedule())
+    b, c = make_seq(2, list(range(10))), make_seq(3, [4, 5])
+    s.add(b)
+    s.add(c)
+    out = s.schedule()
+    assert batch(out) == [(2, 10), (3, 2)], \
+        "stage 7: prefill_first (vLLM v0): the waiting prompts take the step whole, and a's decode waits for the next"
+    advance(out)
+    assert batch(s.schedule()) == [(1, 1), (2, 1), (3, 1)], "stage 7: prefill_first: no prompt waiting, so all decode"
+
+
+def test_step9_prefill_first_is_a_policy_of_unchunked_scheduling_only():
+    bm = BlockManager(32, 4, max_model_len=64, enable_prefix_caching=False)
+    try:
+        sched_mod.Scheduler(sched_mod.SchedulerConfig(8, 16, True, "recompute", True), bm)
+    except ValueError as err:
+        assert "prefill_first" in str(err), "stage 7: the error must name prefill_first"
+    else:
+        raise AssertionError("stage 7: chunked prefill schedules decodes first: prefill_first=True with it must raise")
