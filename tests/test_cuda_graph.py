@@ -192,13 +192,14 @@ def test_the_replay_data_flow_on_the_cpu_gives_the_eager_bits(max_num_seqs):
 
 # --- on the GPU --------------------------------------------------------------------------------------
 
-def _run(name: str, dtype: str = "float32", num_prompts: int = 4, **kw):
+def _run(name: str, dtype: str = "float32", num_prompts: int = 4, max_tokens: int | list[int] = 24, **kw):
     """Greedy tokens and logits of the first num_prompts reference prompts, and the engine's stats."""
     if name.startswith("tiny"):  # prompts of 5, 37, 128 and 300 tokens
         prompts = [{"prompt_token_ids": c["prompt_ids"]} for c in read_reference(name, "hf_reference.json")["cases"]]
     else:
         prompts = ["Once upon a time", "Lily and Tom", "The little dog", "One day"]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * num_prompts
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths[:num_prompts]]
     llm = LLM(shared_model(name), device="cuda", dtype=dtype, max_model_len=512, record_logits=True, **kw)
     try:
         outs = llm.generate(prompts[:num_prompts], greedy)
@@ -241,6 +242,19 @@ def test_chunked_prefill_mixed_with_decodes_replays_the_pieces(name):
     # 48-token budget: the 128- and 300-token prompts go in chunks next to the shorter ones' decodes.
     eager, graphed, stats = _eager_and_graphed(name, num_kv_blocks=128, max_num_batched_tokens=48)
     assert stats["num_piecewise_graph_replays"] > 10 and stats["num_cuda_graph_replays"] > 0
+    assert stats["num_cuda_graph_replays"] + stats["num_piecewise_graph_replays"] == stats["num_steps"]
+    _same(eager, graphed)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_prefill_first_steps_replay_the_pieces_and_decode_steps_the_graphs():
+    # vLLM v0's policy, two sequences at a time. The second request stops first, so the third and then
+    # the fourth prompt each get a prefill step of their own while the first request waits to decode.
+    eager, graphed, stats = _eager_and_graphed("tiny-llama3-hd64", num_kv_blocks=128, max_num_seqs=2,
+                                               max_tokens=[24, 6, 6, 12], enable_chunked_prefill=False,
+                                               prefill_first=True)
+    assert stats["num_cuda_graph_replays"] > 0 and stats["num_piecewise_graph_replays"] == 3
     assert stats["num_cuda_graph_replays"] + stats["num_piecewise_graph_replays"] == stats["num_steps"]
     _same(eager, graphed)
 
