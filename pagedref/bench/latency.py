@@ -209,7 +209,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     rows = [r for r in doc["results"] if "skipped" not in r]
     x = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(1.5 + 1.4 * len(rows), 4))
     ax.bar(x - 0.2, [r["itl_p50_ms"] for r in rows], 0.4, label="ITL P50", color="#55A868")
     ax.bar(x + 0.2, [r["itl_p99_ms"] for r in rows], 0.4, label="ITL P99", color="#C44E52")
     ax.set_xticks(x, [r["config"] for r in rows])
