@@ -196,6 +196,22 @@ def test_latency_trace():
     assert [a.time for a in burst] == [0.0] * 4
 
 
+def test_latency_trace_with_poisson_long_arrivals():
+    args = dict(num_short=50, num_long=400, rate=10.0, long_interval=0.5, long_prompt_len=20, short_output_len=8,
+                long_output_len=2, vocab_size=512, seed=0)
+    fixed = latency.make_trace(**args)
+    poisson = latency.make_trace(**args, long_arrivals="poisson")
+    longs = lambda trace: [a for a in trace if a.kind == "long"]  # noqa: E731
+    assert [a.prompt_token_ids for a in longs(poisson)] == [a.prompt_token_ids for a in longs(fixed)], \
+        "only the long prompts' arrival times change"
+    assert [a for a in poisson if a.kind == "chat"] == [a for a in fixed if a.kind == "chat"]
+    gaps = np.diff([a.time for a in longs(poisson)])
+    assert 0.4 < gaps.mean() < 0.6, "the same mean interval"
+    assert (gaps < 0.1).mean() > 0.1, "now and then two long prompts arrive close together"
+    with pytest.raises(ValueError, match="long_arrivals"):
+        latency.make_trace(**args, long_arrivals="bursty")
+
+
 @pytest.mark.parametrize("args, named", [
     (["--budgets", "512,x"], "--budgets"),
     (["--budgets", "0"], "--budgets"),

@@ -43,6 +43,9 @@ CPU_DEFAULTS = dict(long_prompt_len=256, budgets="16,64,256", num_short=8, num_l
                     long_interval=0.0, short_output_len=16, long_output_len=4, num_kv_blocks=1024)
 
 
+LONG_ARRIVALS = ("fixed", "poisson")
+
+
 @dataclass(frozen=True)
 class Arrival:
     time: float  # seconds after the start
@@ -52,16 +55,24 @@ class Arrival:
 
 
 def make_trace(num_short: int, num_long: int, rate: float, long_interval: float, long_prompt_len: int,
-               short_output_len: int, long_output_len: int, vocab_size: int, seed: int) -> list[Arrival]:
-    """Chat prompts with ShareGPT-like lengths arriving as a Poisson stream (rate inf: all at 0),
-    long prompts at (j + 1/2) × long_interval; sorted by time."""
+               short_output_len: int, long_output_len: int, vocab_size: int, seed: int,
+               long_arrivals: str = "fixed") -> list[Arrival]:
+    """Chat prompts with ShareGPT-like lengths arriving as a Poisson stream (rate inf: all at 0), and
+    long prompts at (j + 1/2) × long_interval ("fixed"), or as a Poisson stream of the same mean
+    interval ("poisson": now and then two arrive close together); sorted by time. The prompts' tokens
+    are the same either way."""
+    if long_arrivals not in LONG_ARRIVALS:
+        raise ValueError(f"long_arrivals must be one of {LONG_ARRIVALS}, got {long_arrivals!r}")
+    long_times = (np.arange(num_long) + 0.5) * long_interval
+    if long_arrivals == "poisson":
+        long_times = np.cumsum(np.random.default_rng(seed + 1).exponential(long_interval, num_long))
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / rate, num_short) if np.isfinite(rate) else np.zeros(num_short)
     times = np.cumsum(gaps)
     trace = [Arrival(float(t), rng.integers(0, vocab_size, p).tolist(), short_output_len, "chat")
              for t, (p, _) in zip(times, sharegpt_lengths(rng, num_short))]
-    trace += [Arrival((j + 0.5) * long_interval, rng.integers(0, vocab_size, long_prompt_len).tolist(), long_output_len, "long")
-              for j in range(num_long)]
+    trace += [Arrival(float(t), rng.integers(0, vocab_size, long_prompt_len).tolist(), long_output_len, "long")
+              for t in long_times]
     return sorted(trace, key=lambda a: a.time)
 
 
@@ -191,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-long", type=int, default=None, help="long-prompt requests (cuda 60, cpu 2)")
     p.add_argument("--request-rate", type=float, default=None, help="chat arrivals per second, inf = all at once (cuda 16)")
     p.add_argument("--long-interval", type=float, default=None, help="seconds between long prompts (cuda 0.5)")
+    p.add_argument("--long-arrivals", choices=LONG_ARRIVALS, default="fixed",
+                   help="long prompts every --long-interval s (fixed), or as a Poisson stream of that mean interval")
     p.add_argument("--short-output-len", type=int, default=None, help="tokens each chat request generates (cuda 128)")
     p.add_argument("--long-output-len", type=int, default=None, help="tokens each long request generates (cuda 32)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="the KV pool, blocks of 16 (cuda 16384, cpu 1024)")
@@ -232,7 +245,8 @@ def print_report(doc: dict[str, Any]) -> None:
     env, w = doc["environment"], doc["workload"]
     print(f"\nlatency: {doc['shape']} on {env.get('gpu', env['device'])}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
     print(f"{w['chat_requests']} chat requests ({w['request_rate']}/s, {w['chat_output_len']} tokens each) + {w['long_requests']} "
-          f"prompts of {w['long_prompt_len']} tokens every {w['long_interval_s']} s; ITL over the chat requests")
+          f"prompts of {w['long_prompt_len']} tokens every {w['long_interval_s']} s"
+          f"{' on average (Poisson)' if w.get('long_arrivals') == 'poisson' else ''}; ITL over the chat requests")
     print(doc["table"])
 
 
@@ -284,11 +298,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: --long-prompt-len {args.long_prompt_len} is longer than {args.model_shape}'s context")
     model_dir = random_model_dir(args.model_shape, args.model_dir, device, seed=args.seed, log=log)
     trace = make_trace(args.num_short, args.num_long, args.request_rate, args.long_interval, args.long_prompt_len,
-                       args.short_output_len, args.long_output_len, cfg["vocab_size"], args.seed)
+                       args.short_output_len, args.long_output_len, cfg["vocab_size"], args.seed, args.long_arrivals)
     doc = {"benchmark": "latency", "command": "python -m pagedref.bench latency " + " ".join(argv if argv is not None else sys.argv[1:]),
            "environment": environment(device), "shape": args.model_shape,
            "workload": {"chat_requests": args.num_short, "long_requests": args.num_long, "request_rate": args.request_rate,
-                        "long_interval_s": args.long_interval, "long_prompt_len": args.long_prompt_len,
+                        "long_interval_s": args.long_interval, "long_arrivals": args.long_arrivals,
+                        "long_prompt_len": args.long_prompt_len,
                         "chat_output_len": args.short_output_len, "long_output_len": args.long_output_len,
                         "num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs},
            "results": []}
