@@ -266,7 +266,7 @@ def fig_chunked_prefill(out: Path, quick: bool) -> list[Path]:
 # (`--json-out`), committed under docs/results/ with the command, GPU, date and commit inside them.
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 SERVE_RESULTS = RESULTS / "serve-2026-11-30-watermark.json"
-LATENCY_RESULTS = RESULTS / "latency-llama-3.1-8b-2026-11-30-policies.json"
+LATENCY_RESULTS = RESULTS / "latency-llama-3.1-8b-2026-11-30-poisson-seed1.json"
 
 
 def _from_results(bench, results: Path, out: Path, name: str) -> list[Path]:

@@ -186,7 +186,7 @@ def test_latency_runs_the_unchunked_policies_asked_for(model_dir, capsys):
 
 def test_latency_trace():
     trace = latency.make_trace(num_short=50, num_long=3, rate=10.0, long_interval=2.0, long_prompt_len=100,
-                               short_output_len=8, long_output_len=2, vocab_size=512, seed=0)
+                               short_output_len=8, long_output_len=2, vocab_size=512, seed=0, long_arrivals="fixed")
     assert [a.time for a in trace] == sorted(a.time for a in trace)
     longs = [a for a in trace if a.kind == "long"]
     assert [a.time for a in longs] == [1.0, 3.0, 5.0] and all(len(a.prompt_token_ids) == 100 for a in longs)
@@ -199,8 +199,8 @@ def test_latency_trace():
 def test_latency_trace_with_poisson_long_arrivals():
     args = dict(num_short=50, num_long=400, rate=10.0, long_interval=0.5, long_prompt_len=20, short_output_len=8,
                 long_output_len=2, vocab_size=512, seed=0)
-    fixed = latency.make_trace(**args)
-    poisson = latency.make_trace(**args, long_arrivals="poisson")
+    fixed = latency.make_trace(**args, long_arrivals="fixed")
+    poisson = latency.make_trace(**args)  # the default
     longs = lambda trace: [a for a in trace if a.kind == "long"]  # noqa: E731
     assert [a.prompt_token_ids for a in longs(poisson)] == [a.prompt_token_ids for a in longs(fixed)], \
         "only the long prompts' arrival times change"

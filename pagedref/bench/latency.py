@@ -1,15 +1,17 @@
 """`python -m pagedref.bench latency`: what chunked prefill does to inter-token latency, and what it costs.
 
-One idea: a stream of short chat requests is decoding when, every few seconds, a long prompt (8k
+One idea: a stream of short chat requests is decoding when, now and then, a long prompt (8k
 tokens) arrives. Without chunking, the step that prefills it carries all 8k tokens, and every
 running chat request waits that whole step for its next token: an inter-token latency (ITL) spike.
 With chunked prefill (stage 7) a step carries at most `max_num_batched_tokens` tokens, decodes
 first, so the long prompt is spread over several steps and no decode waits long. The same arrival
-trace (Poisson chat arrivals, long prompts at fixed intervals, wall-clock times) is replayed through
+trace (chat and long prompts each a Poisson stream, as vLLM's serving benchmark draws arrivals, or
+long prompts on a fixed clock with `--long-arrivals fixed`; wall-clock times) is replayed through
 `LLMEngine.add_request` / `step` for chunked prefill at budgets 512, 2048 and 8192 and for the two
 policies without chunking: `no-chunking` (a whole prompt mixed into the decodes' step: vLLM v1,
-Orca) and `prefill-first` (prompts in steps of their own, decodes wait: vLLM v0, nano-vllm). Every token's wall time is recorded when the step that sampled it returns; ITL is the gap
-between consecutive tokens of a chat request, TTFT the wait for the first one.
+Orca) and `prefill-first` (prompts in steps of their own, decodes wait: vLLM v0, nano-vllm). Every
+token's wall time is recorded when the step that sampled it returns; ITL is the gap between
+consecutive tokens of a chat request, TTFT the wait for the first one.
 
 Throughput is tokens over the makespan (first arrival to last token). While the engine keeps up with
 the arrivals that is the offered load whatever the budget; a budget that costs capacity shows as a
@@ -34,9 +36,10 @@ import numpy as np
 from pagedref.bench.serve import (SHAPES, _free, _sync, add_output_flags, emit, environment, pyplot, random_model_dir,
                                   parse_or_replay, save_figure, sharegpt_lengths)
 
-# A long prompt every 0.5 s for the 30 s of chat arrivals: at the 8B shape on an H200 its prefill
-# takes ~0.3 s of the GPU, and with CUDA graphs a decode step ~14 ms, so the long prompts' steps are
-# a few percent of all steps (P99 must see them) while the engine still keeps up with the arrivals.
+# A long prompt every 0.5 s on average for the 30 s of chat arrivals: at the 8B shape on an H200 its
+# prefill takes ~0.3 s of the GPU, and with CUDA graphs a decode step ~15 ms, so the long prompts'
+# steps are a few percent of all steps (P99 must see them) while the engine still keeps up with the
+# arrivals.
 CUDA_DEFAULTS = dict(long_prompt_len=8192, budgets="512,2048,8192", num_short=480, num_long=60, request_rate=16.0,
                      long_interval=0.5, short_output_len=128, long_output_len=32, num_kv_blocks=16384)
 CPU_DEFAULTS = dict(long_prompt_len=256, budgets="16,64,256", num_short=8, num_long=2, request_rate=float("inf"),
@@ -56,7 +59,7 @@ class Arrival:
 
 def make_trace(num_short: int, num_long: int, rate: float, long_interval: float, long_prompt_len: int,
                short_output_len: int, long_output_len: int, vocab_size: int, seed: int,
-               long_arrivals: str = "fixed") -> list[Arrival]:
+               long_arrivals: str = "poisson") -> list[Arrival]:
     """Chat prompts with ShareGPT-like lengths arriving as a Poisson stream (rate inf: all at 0), and
     long prompts at (j + 1/2) × long_interval ("fixed"), or as a Poisson stream of the same mean
     interval ("poisson": now and then two arrive close together); sorted by time. The prompts' tokens
@@ -202,8 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-long", type=int, default=None, help="long-prompt requests (cuda 60, cpu 2)")
     p.add_argument("--request-rate", type=float, default=None, help="chat arrivals per second, inf = all at once (cuda 16)")
     p.add_argument("--long-interval", type=float, default=None, help="seconds between long prompts (cuda 0.5)")
-    p.add_argument("--long-arrivals", choices=LONG_ARRIVALS, default="fixed",
-                   help="long prompts every --long-interval s (fixed), or as a Poisson stream of that mean interval")
+    p.add_argument("--long-arrivals", choices=LONG_ARRIVALS, default="poisson",
+                   help="long prompts as a Poisson stream of mean interval --long-interval (default), or one every "
+                        "--long-interval s (fixed)")
     p.add_argument("--short-output-len", type=int, default=None, help="tokens each chat request generates (cuda 128)")
     p.add_argument("--long-output-len", type=int, default=None, help="tokens each long request generates (cuda 32)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="the KV pool, blocks of 16 (cuda 16384, cpu 1024)")
@@ -236,7 +240,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper right", ncol=3)
     w, env = doc["workload"], doc["environment"]
     ax.set_title(f"{doc['shape']} on {env.get('gpu', env['device'])}: {w['chat_requests']} chat requests + "
-                 f"{w['long_requests']} prompts of {w['long_prompt_len']} tokens", fontsize=9)
+                 f"{w['long_requests']} prompts of {w['long_prompt_len']} tokens"
+                 f"{', all arriving as Poisson streams' if w.get('long_arrivals') == 'poisson' else ''}", fontsize=9)
     save_figure(fig, path)
     plt.close(fig)
 
