@@ -115,8 +115,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         step = _Step(self.config.max_num_batched_tokens)
         if self.config.prefill_first:  # vLLM v0 without chunking: new prompts first, in steps of their own
-            if not self.swapped:
-                self._schedule_waiting(step)
+            self._schedule_waiting(step)  # (none while a sequence is swapped out: it comes back first)
             if step.out.scheduled:
                 return step.out  # a prefill step: every running sequence waits for the next one
             self._schedule_running(step)
