@@ -203,12 +203,14 @@ def fig_block_table(out: Path, quick: bool) -> list[Path]:
 REQUESTS = ((0, "A", 6, 6), (0, "B", 5, 9), (0, "C", 4, 4), (1, "D", 70, 3), (2, "E", 12, 3))
 
 
-def chunked_prefill_run(budget: int = 32, num_steps: int = 7) -> list[list[tuple[str, int, bool]]]:
+def chunked_prefill_run(budget: int = 32, num_steps: int = 7, chunked: bool = True,
+                        prefill_first: bool = False) -> list[list[tuple[str, int, bool]]]:
     """The engine's Scheduler on a small trace, driven step by step as the engine drives it (without a
     model: a sequence whose scheduled tokens complete it 'samples' a placeholder token). Returns, per
     step, the scheduled (request, tokens, is_decode) in batch order."""
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget, enable_chunked_prefill=True),
-                          BlockManager(num_blocks=64, block_size=16, max_model_len=256, enable_prefix_caching=False))
+    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                             prefill_first=prefill_first)
+    scheduler = Scheduler(config, BlockManager(num_blocks=64, block_size=16, max_model_len=256, enable_prefix_caching=False))
     names, left, steps = {}, {}, []
     for step in range(num_steps):
         for arrival, name, prompt_len, max_tokens in REQUESTS:
@@ -230,13 +232,11 @@ def chunked_prefill_run(budget: int = 32, num_steps: int = 7) -> list[list[tuple
     return steps
 
 
-def fig_chunked_prefill(out: Path, quick: bool) -> list[Path]:
-    budget = 32
-    steps = chunked_prefill_run(budget)
+def _draw_steps(ax: plt.Axes, steps: list[list[tuple[str, int, bool]]], budget: int) -> None:
+    """One bar per step: each scheduled request's tokens, decodes solid, prefill hatched; grey = budget left."""
     colors = {name: SEQ_COLORS[i] for i, (_, name, _, _) in enumerate(REQUESTS)}
     prompt_len = {name: p for _, name, p, _ in REQUESTS}
     prefilled = dict.fromkeys(prompt_len, 0)
-    fig, ax = plt.subplots(figsize=(10, 0.45 * len(steps) + 1.6), layout="constrained")
     for row, work in enumerate(steps):
         x = 0
         for name, n, is_decode in work:
@@ -254,14 +254,43 @@ def fig_chunked_prefill(out: Path, quick: bool) -> list[Path]:
     ax.set_yticks(range(len(steps)), [f"step {i}" for i in range(len(steps))])
     ax.invert_yaxis()
     ax.set_xlim(0, budget)
+
+
+def _arrivals() -> str:
+    return ", ".join(f"{name} ({p} prompt tokens) at step {t}" for t, name, p, _ in REQUESTS)
+
+
+def fig_chunked_prefill(out: Path, quick: bool) -> list[Path]:
+    budget = 32
+    steps = chunked_prefill_run(budget)
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(steps) + 1.6), layout="constrained")
+    _draw_steps(ax, steps, budget)
     ax.set_xlabel("tokens of the step (max_num_batched_tokens)")
-    arrivals = ", ".join(f"{name} ({p} prompt tokens) at step {t}" for t, name, p, _ in REQUESTS)
     ax.set_title(f"Chunked prefill with max_num_batched_tokens={budget}: decodes first (solid), then prefill chunks "
-                 f"(hatched)\narrivals: {arrivals}; grey = unused budget", fontsize=9)
+                 f"(hatched)\narrivals: {_arrivals()}; grey = unused budget", fontsize=9)
     return [_save(fig, out, "chunked_prefill")]
 
 
-# --- the registry ------------------------------------------------------------------------------------
+def fig_scheduling_policies(out: Path, quick: bool) -> list[Path]:
+    """The same arrivals under the two policies without chunking and under chunked prefill (stage 7)."""
+    whole = max(p for _, _, p, _ in REQUESTS) + 10  # without chunks the budget must hold the longest prompt
+    runs = [("without chunking, prefill first (vLLM v0): a step that admits a prompt carries no decode",
+             chunked_prefill_run(whole, 7, chunked=False, prefill_first=True), whole),
+            ("without chunking, mixed (vLLM v1): the decodes first, then whole prompts in the same step",
+             chunked_prefill_run(whole, 7, chunked=False), whole),
+            ("chunked prefill (stage 7): the decodes first, then chunks of what the budget has left",
+             chunked_prefill_run(32, 7), 32)]
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 8.4), layout="constrained")
+    for ax, (title, steps, budget) in zip(axes, runs):
+        _draw_steps(ax, steps, budget)
+        ax.set_xlim(0, whole)
+        ax.set_title(f"{title} (max_num_batched_tokens={budget})", fontsize=9, loc="left")
+    axes[-1].set_xlabel("tokens of the step")
+    fig.suptitle(f"Who computes what in each step. Arrivals: {_arrivals()}.\nDecodes solid, prefill hatched "
+                 "(tokens, then done/prompt); grey = unused budget", fontsize=9)
+    return [_save(fig, out, "scheduling_policies")]
+
+
 # GPU runs cannot be repeated here: their figures are drawn from the JSON documents the device runs wrote
 # (`--json-out`), committed under docs/results/ with the command, GPU, date and commit inside them.
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
@@ -298,6 +327,7 @@ FIGURES: dict[str, Callable[[Path, bool], list[Path]]] = {  # name -> draws <nam
     "block_table": fig_block_table,
     "sharing": fig_sharing,
     "chunked_prefill": fig_chunked_prefill,
+    "scheduling_policies": fig_scheduling_policies,
     "serve": fig_serve,
     "latency": fig_latency,
 }
