@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -32,7 +33,7 @@ from pagedref.memory.block_allocator import BlockAllocator  # noqa: E402
 from pagedref.memory.block_table import BlockTable  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "figures"
-SEQ_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"]
+SEQ_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3"]
 FREE_COLOR = "#E6E6E6"
 PNG = {"dpi": 150, "metadata": {"Software": None}}  # no version stamp: regenerating changes only what changed
 
@@ -198,22 +199,83 @@ def fig_block_table(out: Path, quick: bool) -> list[Path]:
     return [_save(fig, out, "block_table")]
 
 
-# --- (d) chunked prefill: one step's token budget, step after step --------------------------------
+# --- (b') the block allocator: reference counts and the free list, operation by operation ----------
+def block_allocator_run(num_blocks: int = 8) -> list[tuple[str, list[int], list[int]]]:
+    """A real BlockAllocator through allocations, a fork (incref) and frees: after each operation,
+    (what happened, ref counts per block, free list head to tail)."""
+    alloc = BlockAllocator(num_blocks, block_size=4)
+    states = []
+
+    def record(what: str) -> None:
+        states.append((what, list(alloc.ref_counts), list(alloc.free_list)))
+
+    record("a fresh pool: every block free, in id order")
+    a = [alloc.allocate() for _ in range(3)]
+    record(f"A allocates 3 blocks: the 3 at the head of the free list, {a}")
+    b = [alloc.allocate() for _ in range(2)]
+    record(f"B allocates 2: {b}")
+    for block in a:
+        alloc.incref(block)
+    record(f"C forks A (stage 4): one more reference to each of {a}, no block copied")
+    for block in a:
+        alloc.free(block)
+    record(f"A finishes and frees {a}: C still holds them, so none is free")
+    for block in b:
+        alloc.free(block)
+    record(f"B finishes and frees {b}: count 0, so they go to the free list's tail")
+    d = [alloc.allocate() for _ in range(4)]
+    record(f"D allocates 4: {d}, in free-list order (the longest free first)")
+    return states
+
+
+def fig_block_allocator(out: Path, quick: bool) -> list[Path]:
+    states = block_allocator_run()
+    num_blocks = len(states[0][1])
+    shades = {1: "#4C72B0", 2: "#8172B3", 3: "#3B2C6B"}
+    fig, ax = plt.subplots(figsize=(11, 0.62 * len(states) + 1.0), layout="constrained")
+    for row, (what, counts, free_list) in enumerate(states):
+        y = -row
+        for block, count in enumerate(counts):
+            free = count == 0
+            ax.add_patch(Rectangle((block, y - 0.35), 0.9, 0.7, facecolor=FREE_COLOR if free else shades[min(count, 3)],
+                                   edgecolor="gray" if free else "black", lw=0.6))
+            label = f"free #{free_list.index(block) + 1}" if free else f"ref {count}"
+            ax.text(block + 0.45, y, label, ha="center", va="center", fontsize=7,
+                    color="dimgray" if free else "white", fontweight=None if free else "bold")
+        ax.text(num_blocks + 0.2, y, what, va="center", fontsize=8)
+    ax.set_xticks([b + 0.45 for b in range(num_blocks)], [str(b) for b in range(num_blocks)])
+    ax.tick_params(axis="x", length=0)
+    ax.set_xlabel("physical block id")
+    ax.set_yticks([])
+    ax.set_xlim(-0.2, num_blocks + 6.5)
+    ax.set_ylim(-len(states) + 0.4, 0.7)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    ax.spines["bottom"].set_bounds(-0.1, num_blocks)
+    ax.set_title("The block allocator, operation by operation: a block's reference count, and its place in the "
+                 "free list (free #1 = the head, allocated next)", fontsize=9, loc="left")
+    return [_save(fig, out, "block_allocator")]
+
+
+# --- (d) the scheduler, step by step: continuous batching and chunked prefill ---------------------
 # (arrival step, name, prompt tokens, tokens to generate)
 REQUESTS = ((0, "A", 6, 6), (0, "B", 5, 9), (0, "C", 4, 4), (1, "D", 70, 3), (2, "E", 12, 3))
 
 
-def chunked_prefill_run(budget: int = 32, num_steps: int = 7, chunked: bool = True,
-                        prefill_first: bool = False) -> list[list[tuple[str, int, bool]]]:
-    """The engine's Scheduler on a small trace, driven step by step as the engine drives it (without a
-    model: a sequence whose scheduled tokens complete it 'samples' a placeholder token). Returns, per
-    step, the scheduled (request, tokens, is_decode) in batch order."""
-    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
-                             prefill_first=prefill_first)
-    scheduler = Scheduler(config, BlockManager(num_blocks=64, block_size=16, max_model_len=256, enable_prefix_caching=False))
+@dataclass
+class StepRecord:
+    scheduled: list[tuple[str, int, bool]]  # (request, tokens, is_decode), in batch order
+    preempted: list[str]  # requests preempted in this step
+    used_blocks: int  # blocks in use once the step is scheduled
+
+
+def run_scheduler(requests, scheduler: Scheduler, num_steps: int) -> list[StepRecord]:
+    """The engine's Scheduler on a trace of (arrival step, name, prompt tokens, tokens to generate),
+    driven step by step as the engine drives it, without a model: a sequence whose scheduled tokens
+    complete it 'samples' a placeholder token, and finishes after its tokens to generate."""
     names, left, steps = {}, {}, []
     for step in range(num_steps):
-        for arrival, name, prompt_len, max_tokens in REQUESTS:
+        for arrival, name, prompt_len, max_tokens in requests:
             if arrival == step:
                 # Distinct token ids per request (the prefix cache, off here, would find nothing anyway).
                 seq = Sequence(len(names), name, list(range(1000 * len(names), 1000 * len(names) + prompt_len)),
@@ -221,7 +283,8 @@ def chunked_prefill_run(budget: int = 32, num_steps: int = 7, chunked: bool = Tr
                 names[seq.seq_id], left[seq.seq_id] = name, max_tokens
                 scheduler.add(seq)
         out = scheduler.schedule()
-        steps.append([(names[seq.seq_id], n, not seq.is_prefill) for seq, n in out.scheduled])
+        steps.append(StepRecord([(names[seq.seq_id], n, not seq.is_prefill) for seq, n in out.scheduled],
+                                [names[seq.seq_id] for seq in out.preempted], scheduler.block_manager.live_usage()[1]))
         for seq, n in out.scheduled:  # what the engine does after the forward pass
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == seq.num_tokens:  # the prompt is done: a token is sampled
@@ -230,6 +293,70 @@ def chunked_prefill_run(budget: int = 32, num_steps: int = 7, chunked: bool = Tr
                 if left[seq.seq_id] == 0:
                     scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH_CAPPED)
     return steps
+
+
+def chunked_prefill_run(budget: int = 32, num_steps: int = 7, chunked: bool = True,
+                        prefill_first: bool = False) -> list[list[tuple[str, int, bool]]]:
+    """`REQUESTS` through the engine's Scheduler at this budget and policy: per step, the scheduled
+    (request, tokens, is_decode) in batch order."""
+    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                             prefill_first=prefill_first)
+    scheduler = Scheduler(config, BlockManager(num_blocks=64, block_size=16, max_model_len=256, enable_prefix_caching=False))
+    return [r.scheduled for r in run_scheduler(REQUESTS, scheduler, num_steps)]
+
+
+# Stage 6: requests come and go every step; a small pool fills and preempts. (arrival, name, prompt, output)
+BATCHING_REQUESTS = ((0, "A", 7, 10), (0, "B", 3, 4), (1, "C", 9, 12), (2, "D", 5, 3), (3, "E", 6, 8),
+                     (5, "F", 4, 5), (6, "G", 10, 4))
+BATCHING_POOL = dict(num_blocks=12, block_size=4, max_model_len=32)
+
+
+def continuous_batching_run(num_steps: int = 15) -> list[StepRecord]:
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                          BlockManager(enable_prefix_caching=False, **BATCHING_POOL))
+    return run_scheduler(BATCHING_REQUESTS, scheduler, num_steps)
+
+
+def fig_continuous_batching(out: Path, quick: bool) -> list[Path]:
+    """Stage 6: each request's life, step by step (iteration-level scheduling), and the pool's blocks."""
+    steps = continuous_batching_run()
+    names = [name for _, name, _, _ in BATCHING_REQUESTS]
+    arrival = {name: t for t, name, _, _ in BATCHING_REQUESTS}
+    last = {name: max(i for i, r in enumerate(steps) if any(n == name for n, _, _ in r.scheduled)) for name in names}
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(10, 5.6), height_ratios=(3, 1.2), sharex=True, layout="constrained")
+    for row, name in enumerate(names):
+        color = SEQ_COLORS[row % len(SEQ_COLORS)]
+        for i, r in enumerate(steps):
+            work = next(((n, is_decode) for who, n, is_decode in r.scheduled if who == name), None)
+            if name in r.preempted:
+                ax.barh(row, 1, left=i, color="white", edgecolor="#C44E52", lw=1.2)
+                ax.text(i + 0.5, row, "✕", ha="center", va="center", color="#C44E52", fontsize=10, fontweight="bold")
+            elif work is not None:
+                n, is_decode = work
+                ax.barh(row, 1, left=i, color=color, edgecolor="black", lw=0.5, hatch=None if is_decode else "//",
+                        alpha=1.0 if is_decode else 0.6)
+                if not is_decode:
+                    ax.text(i + 0.5, row, str(n), ha="center", va="center", fontsize=7,
+                            bbox={"facecolor": "white", "alpha": 0.85, "lw": 0, "pad": 1})
+            elif arrival[name] <= i <= last[name]:  # arrived, not finished, not in this step: waiting
+                ax.barh(row, 1, left=i, color=FREE_COLOR, edgecolor="gray", lw=0.3)
+    ax.set_yticks(range(len(names)), [f"{name} ({p}+{o})" for _, name, p, o in BATCHING_REQUESTS])
+    ax.invert_yaxis()
+    ax.set_ylabel("request (prompt + output tokens)")
+    ax.set_title("Continuous batching with the engine's Scheduler: the batch is re-formed at every step\n"
+                 "solid = decode, hatched = prefill (its tokens), grey = waiting, "
+                 "✕ = preempted (recompute: back to waiting, prefilled again later)", fontsize=9)
+    used = [r.used_blocks for r in steps]
+    ax2.step(range(len(steps) + 1), used + used[-1:], where="post", color="#4C72B0")
+    ax2.axhline(BATCHING_POOL["num_blocks"], color="#C44E52", ls="--", lw=1)
+    ax2.text(0.2, BATCHING_POOL["num_blocks"] - 0.4, f"pool: {BATCHING_POOL['num_blocks']} blocks of "
+             f"{BATCHING_POOL['block_size']} tokens", va="top", fontsize=8, color="#C44E52")
+    ax2.set_ylim(0, BATCHING_POOL["num_blocks"] + 1)
+    ax2.set_ylabel("blocks in use")
+    ax2.set_xlabel("step")
+    ax2.set_xlim(0, len(steps))
+    ax2.xaxis.set_major_locator(matplotlib.ticker.MultipleLocator(2))
+    return [_save(fig, out, "continuous_batching")]
 
 
 def _draw_steps(ax: plt.Axes, steps: list[list[tuple[str, int, bool]]], budget: int) -> None:
@@ -296,6 +423,7 @@ def fig_scheduling_policies(out: Path, quick: bool) -> list[Path]:
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 SERVE_RESULTS = RESULTS / "serve-2026-11-30-watermark.json"
 LATENCY_RESULTS = RESULTS / "latency-llama-3.1-8b-2026-11-30-poisson-seed1.json"
+KERNEL_RESULTS = RESULTS / "kernel-2026-11-30.json"
 
 
 def _from_results(bench, results: Path, out: Path, name: str) -> list[Path]:
@@ -322,10 +450,40 @@ def fig_latency(out: Path, quick: bool) -> list[Path]:
     return _from_results(latency, LATENCY_RESULTS, out, "latency")
 
 
+def fig_kernel(out: Path, quick: bool) -> list[Path]:
+    """`bench kernel` on the H200 (stage 5): the paged decode kernel's read bandwidth per shape, beside
+    torch SDPA (cuDNN) on a contiguous cache and the device's measured copy bandwidth."""
+    import json
+
+    if not KERNEL_RESULTS.is_file():
+        raise FileNotFoundError(f"{KERNEL_RESULTS}: the saved device results this figure is drawn from are missing")
+    doc = json.loads(KERNEL_RESULTS.read_text())
+    rows = doc["decode"]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 4.4), layout="constrained")
+    ax.bar([i - 0.2 for i in x], [r["sdpa_GBps"] for r in rows], 0.4, color="#8FB8DE",
+           label=f"torch SDPA ({rows[0]['sdpa_backend']}), contiguous cache")
+    ax.bar([i + 0.2 for i in x], [r["kernel_GBps"] for r in rows], 0.4, color="#4C72B0",
+           label="pagedref decode kernel, paged cache (blocks in random order)")
+    for i, r in zip(x, rows):
+        ax.text(i + 0.2, r["kernel_GBps"] + 40, f"{r['kernel_GBps'] / r['sdpa_GBps']:.0%}", ha="center", fontsize=8)
+    ax.axhline(doc["copy_GBps"], color="#C44E52", ls="--", lw=1, label=f"device copy, {doc['copy_GBps']:.0f} GB/s")
+    ax.set_xticks(list(x), [f"{r['batch']} sequence{'s' if r['batch'] > 1 else ''}\n× {r['context']:,} tokens" for r in rows])
+    ax.set_ylabel("K/V read bandwidth (GB/s)")
+    ax.set_ylim(0, 1.12 * max(r["sdpa_GBps"] for r in rows))
+    fig.legend(fontsize=8, loc="outside lower center", ncol=2)
+    ax.set_title(f"Decode attention on {doc['gpu']} (bf16, 32 query / 8 KV heads, head_dim 128; commit "
+                 f"{doc['commit']}, {doc['date']}); % = of SDPA", fontsize=9)
+    return [_save(fig, out, "kernel")]
+
+
 FIGURES: dict[str, Callable[[Path, bool], list[Path]]] = {  # name -> draws <name>.png (and <name>.md)
     "kv_memory": fig_kv_memory,
+    "block_allocator": fig_block_allocator,
     "block_table": fig_block_table,
     "sharing": fig_sharing,
+    "kernel": fig_kernel,
+    "continuous_batching": fig_continuous_batching,
     "chunked_prefill": fig_chunked_prefill,
     "scheduling_policies": fig_scheduling_policies,
     "serve": fig_serve,

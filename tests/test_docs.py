@@ -107,3 +107,26 @@ def test_every_figure_is_on_the_site(site):
     pages = "".join(p.read_text() for p in site.rglob("*.html"))
     for name in figures.FIGURES:
         assert f"figures/{name}.png" in pages, f"no page shows figures/{name}.png"
+
+
+def test_every_stage_page_shows_a_figure(site):
+    for stage in course.STAGES:
+        page = next((site / "stages").glob(f"{stage.number:02d}-*/index.html"))
+        assert re.search(r'<img[^>]+src="[^"]*figures/[a-z_]+\.png"', page.read_text()), \
+            f"the stage {stage.number} page shows no generated figure"
+
+
+def test_what_the_lessons_say_of_their_figures_is_what_the_scheduler_does():
+    """Stages 6 and 7 describe their figures in words; those words are checked against the runs."""
+    steps = figures.continuous_batching_run()
+    assert steps[6].preempted == ["F"], "stage 6 README: F is preempted at step 6"
+    assert ("F", 5, False) in steps[10].scheduled, "stage 6 README: F is prefilled again at step 10, 5 tokens"
+    whole = max(p for _, _, p, _ in figures.REQUESTS) + 10
+    prefill_first = figures.chunked_prefill_run(whole, 7, chunked=False, prefill_first=True)
+    mixed = figures.chunked_prefill_run(whole, 7, chunked=False)
+    for step in (1, 2):
+        assert not {"A", "B", "C"} & {name for name, _, _ in prefill_first[step]}, \
+            "stage 7 README: under prefill first, A, B and C get no token in steps 1 and 2"
+        assert {"A", "B", "C"} <= {name for name, _, _ in mixed[step]}, "stage 7 README: mixed, they decode every step"
+    assert ("D", 70, False) in mixed[1], "stage 7 README: mixed, step 1 carries all of D's 70 tokens"
+    assert max(sum(n for _, n, _ in step) for step in figures.chunked_prefill_run(32, 7)) <= 32
