@@ -127,24 +127,25 @@ def replay(engine, trace: list[Arrival]) -> tuple[Timeline, float, int]:
 UNCHUNKED = {"no-chunking": False, "prefill-first": True}
 
 
-def config_name(budget: int | str) -> str:
-    return budget if isinstance(budget, str) else f"chunked-{budget}"
+def config_name(config: int | str) -> str:
+    return config if isinstance(config, str) else f"chunked-{config}"
 
 
-def run_config(model_dir: Path, trace: list[Arrival], budget: int | str, args: argparse.Namespace, device: str,
+def run_config(model_dir: Path, trace: list[Arrival], config: int | str, args: argparse.Namespace, device: str,
                max_model_len: int, log) -> dict[str, Any]:
-    """One configuration: chunked prefill at `budget` tokens per step, or an unchunked policy by name."""
+    """One configuration: chunked prefill at a budget of `config` tokens per step (an int), or the
+    unchunked policy named `config` (a key of UNCHUNKED)."""
     from pagedref import LLM, SamplingParams
 
-    name = config_name(budget)
-    chunked = not isinstance(budget, str)
+    name = config_name(config)
+    chunked = not isinstance(config, str)
     # Without chunking a whole prompt must fit in one step beside every running decode (the same
     # budget for both policies, so the policy is the only difference).
-    tokens = budget if chunked else max_model_len + args.max_num_seqs
+    tokens = config if chunked else max_model_len + args.max_num_seqs
     llm = LLM(model=str(model_dir), device=device, dtype="bfloat16" if device == "cuda" else "float32",
               max_model_len=max_model_len, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=tokens,
               enable_chunked_prefill=chunked, enable_prefix_caching=False, num_kv_blocks=args.num_kv_blocks,
-              enforce_eager=args.enforce_eager, prefill_first=not chunked and UNCHUNKED[budget])
+              enforce_eager=args.enforce_eager, prefill_first=not chunked and UNCHUNKED[config])
     try:
         llm.generate([{"prompt_token_ids": trace[0].prompt_token_ids[:8]}], SamplingParams(temperature=0, max_tokens=4))  # warm-up
         _sync(device)
@@ -312,12 +313,12 @@ def main(argv: list[str] | None = None) -> int:
                         "chat_output_len": args.short_output_len, "long_output_len": args.long_output_len,
                         "num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs},
            "results": []}
-    for budget in configs:  # the unchunked baselines first
+    for config in configs:  # the unchunked baselines first
         try:
-            row = run_config(model_dir, trace, budget, args, device, max_model_len, log)
+            row = run_config(model_dir, trace, config, args, device, max_model_len, log)
         except Exception as err:  # keep the other configurations' numbers
-            log(f"[latency] {config_name(budget)} failed: {type(err).__name__}: {err}")
-            row = {"config": config_name(budget), "skipped": f"{type(err).__name__}: {err}"}
+            log(f"[latency] {config_name(config)} failed: {type(err).__name__}: {err}")
+            row = {"config": config_name(config), "skipped": f"{type(err).__name__}: {err}"}
             _free(device)
         doc["results"].append(row)
         if args.json_out:
