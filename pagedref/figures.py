@@ -260,6 +260,7 @@ def fig_block_allocator(out: Path, quick: bool) -> list[Path]:
 # --- (d) the scheduler, step by step: continuous batching and chunked prefill ---------------------
 # (arrival step, name, prompt tokens, tokens to generate)
 REQUESTS = ((0, "A", 6, 6), (0, "B", 5, 9), (0, "C", 4, 4), (1, "D", 70, 3), (2, "E", 12, 3))
+WHOLE_PROMPT_BUDGET = max(p for _, _, p, _ in REQUESTS) + 10  # without chunks a step must hold the longest prompt
 
 
 @dataclass
@@ -295,7 +296,7 @@ def run_scheduler(requests, scheduler: Scheduler, num_steps: int) -> list[StepRe
     return steps
 
 
-def chunked_prefill_run(budget: int = 32, num_steps: int = 7, chunked: bool = True,
+def scheduling_run(budget: int = 32, num_steps: int = 7, chunked: bool = True,
                         prefill_first: bool = False) -> list[list[tuple[str, int, bool]]]:
     """`REQUESTS` through the engine's Scheduler at this budget and policy: per step, the scheduled
     (request, tokens, is_decode) in batch order."""
@@ -389,7 +390,7 @@ def _arrivals() -> str:
 
 def fig_chunked_prefill(out: Path, quick: bool) -> list[Path]:
     budget = 32
-    steps = chunked_prefill_run(budget)
+    steps = scheduling_run(budget)
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(steps) + 1.6), layout="constrained")
     _draw_steps(ax, steps, budget)
     ax.set_xlabel("tokens of the step (max_num_batched_tokens)")
@@ -400,13 +401,13 @@ def fig_chunked_prefill(out: Path, quick: bool) -> list[Path]:
 
 def fig_scheduling_policies(out: Path, quick: bool) -> list[Path]:
     """The same arrivals under the two policies without chunking and under chunked prefill (stage 7)."""
-    whole = max(p for _, _, p, _ in REQUESTS) + 10  # without chunks the budget must hold the longest prompt
+    whole = WHOLE_PROMPT_BUDGET
     runs = [("without chunking, prefill first (vLLM v0): a step that admits a prompt carries no decode",
-             chunked_prefill_run(whole, 7, chunked=False, prefill_first=True), whole),
+             scheduling_run(whole, 7, chunked=False, prefill_first=True), whole),
             ("without chunking, mixed (vLLM v1): the decodes first, then whole prompts in the same step",
-             chunked_prefill_run(whole, 7, chunked=False), whole),
+             scheduling_run(whole, 7, chunked=False), whole),
             ("chunked prefill (stage 7): the decodes first, then chunks of what the budget has left",
-             chunked_prefill_run(32, 7), 32)]
+             scheduling_run(32, 7), 32)]
     fig, axes = plt.subplots(len(runs), 1, figsize=(10, 8.4), layout="constrained")
     for ax, (title, steps, budget) in zip(axes, runs):
         _draw_steps(ax, steps, budget)

@@ -121,12 +121,12 @@ def test_what_the_lessons_say_of_their_figures_is_what_the_scheduler_does():
     steps = figures.continuous_batching_run()
     assert steps[6].preempted == ["F"], "stage 6 README: F is preempted at step 6"
     assert ("F", 5, False) in steps[10].scheduled, "stage 6 README: F is prefilled again at step 10, 5 tokens"
-    whole = max(p for _, _, p, _ in figures.REQUESTS) + 10
-    prefill_first = figures.chunked_prefill_run(whole, 7, chunked=False, prefill_first=True)
-    mixed = figures.chunked_prefill_run(whole, 7, chunked=False)
+    whole = figures.WHOLE_PROMPT_BUDGET
+    prefill_first = figures.scheduling_run(whole, 7, chunked=False, prefill_first=True)
+    mixed = figures.scheduling_run(whole, 7, chunked=False)
     for step in (1, 2):
         assert not {"A", "B", "C"} & {name for name, _, _ in prefill_first[step]}, \
             "stage 7 README: under prefill first, A, B and C get no token in steps 1 and 2"
         assert {"A", "B", "C"} <= {name for name, _, _ in mixed[step]}, "stage 7 README: mixed, they decode every step"
     assert ("D", 70, False) in mixed[1], "stage 7 README: mixed, step 1 carries all of D's 70 tokens"
-    assert max(sum(n for _, n, _ in step) for step in figures.chunked_prefill_run(32, 7)) <= 32
+    assert max(sum(n for _, n, _ in step) for step in figures.scheduling_run(32, 7)) <= 32

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pagedref.memory.block_allocator import BlockAllocator, InvalidBlockError, NoFreeBlocksError
+from pagedref.memory.block_allocator import BlockAllocator, NoFreeBlocksError
 from pagedref.memory.block_table import BlockTable, FreedSequenceError, MaxModelLenError, cdiv
 
 
