@@ -161,16 +161,18 @@ class LLMEngine:
                     rows.append(row)
                     seqs.append(child)
         results = self.runner.sample(logits, rows, seqs)
-        touched: dict[str, SequenceGroup] = {}
+        touched: dict[str, SequenceGroup] = {}  # requests to report: all that advanced, or (final_only) finished
         for row, seq, result in zip(rows, seqs, results):
-            self._append_token(seq, result, logits, row)
+            finished = self._append_token(seq, result, logits, row)
             group = self.requests.get(seq.request_id)
-            if group is not None:
+            if group is None:
+                continue
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = time.monotonic()
+            if finished or not final_only:
                 touched[group.request_id] = group
         outputs = []
         for rid, group in touched.items():
-            if group.metrics.first_token_time is None:
-                group.metrics.first_token_time = time.monotonic()
             if group.is_finished:
                 group.metrics.finished_time = time.monotonic()
                 del self.requests[rid]
@@ -195,7 +197,8 @@ class LLMEngine:
         group.forked = True
         return children
 
-    def _append_token(self, seq: Sequence, result: SampleResult, logits: torch.Tensor, row: int) -> None:
+    def _append_token(self, seq: Sequence, result: SampleResult, logits: torch.Tensor, row: int) -> bool:
+        """The sampled token joins the sequence; True if that finished it."""
         seq.token_ids.append(result.token_id)
         self.num_generated_tokens += 1
         if seq.logprobs is not None:
@@ -208,13 +211,14 @@ class LLMEngine:
         status = self._check_stop(seq)
         if status is not None:
             self.scheduler.finish(seq, status)
+        return status is not None
 
     def _check_stop(self, seq: Sequence) -> SequenceStatus | None:
         """vLLM's rules: length (max_tokens, max_model_len), eos unless ignore_eos, stop token ids; then a
         stop string in the text stops it too (even on its last allowed token) and cuts the text."""
-        p, token = seq.params, seq.token_ids[-1]
+        p, token, num_tokens = seq.params, seq.token_ids[-1], len(seq.token_ids)
         status = None
-        if seq.num_tokens >= self.max_model_len or (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens):
+        if num_tokens >= self.max_model_len or (p.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= p.max_tokens):
             status = SequenceStatus.FINISHED_LENGTH_CAPPED
         elif not p.ignore_eos and token in self.eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED

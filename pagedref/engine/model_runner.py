@@ -32,6 +32,7 @@ block_size + p % block_size of its block table before any query row reads them.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -133,9 +134,12 @@ class ModelRunner:
             if end == seq.num_tokens:  # everything known is computed: this row samples
                 sample_rows.append(num_rows - 1)
                 sample_seqs.append(seq)
-        block_tables = np.full((len(tables), max(len(t) for t in tables)), -1, dtype=np.int32)
-        for i, t in enumerate(tables):  # (measured: faster than padding the lists for torch.tensor)
-            block_tables[i, :len(t)] = t
+        # [num_seqs, max_blocks] int32, rows padded with -1: every table's ids in one go, in row order
+        # (one boolean-mask assignment instead of a numpy call per sequence)
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+        block_tables = np.full((len(tables), int(lens.max())), -1, dtype=np.int32)
+        block_tables[np.arange(block_tables.shape[1]) < lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),

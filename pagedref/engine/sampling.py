@@ -24,7 +24,7 @@ Invariant (CPU path): a request's tokens and logprobs are bit-identical whatever
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -123,7 +123,7 @@ class BeamSearchParams:
 class SampleResult:
     token_id: int
     logprob: float | None = None  # of the sampled token (when logprobs were asked)
-    top_logprobs: dict[int, Logprob] = field(default_factory=dict)  # sampled + top-k
+    top_logprobs: dict[int, Logprob] | None = None  # sampled + top-k (when logprobs were asked)
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -208,16 +208,15 @@ class Sampler:
         """logits [R, vocab] float32; seqs[i] samples from logits[rows[i]] (several sequences may share
         a row: the n samples of a prompt, right after its prefill)."""
         tokens: list[int] = [0] * len(seqs)
+        greedy = [seq.params.is_greedy for seq in seqs]
         # argmax involves no arithmetic, so one batched argmax equals the per-row ones exactly, and
         # it costs one device sync instead of one per row.
-        if any(s.params.is_greedy for s in seqs):
-            greedy = logits.argmax(-1).tolist()
-            for i, (row, seq) in enumerate(zip(rows, seqs)):
-                if seq.params.is_greedy:
-                    tokens[i] = greedy[row]
+        argmax = logits.argmax(-1).tolist() if any(greedy) else []
         groups: dict[tuple, list[int]] = {}  # sampling key -> indices into seqs, in batch order
-        for i, seq in enumerate(seqs):
-            if not seq.params.is_greedy:
+        for i, (row, seq) in enumerate(zip(rows, seqs)):
+            if greedy[i]:
+                tokens[i] = argmax[row]
+            else:
                 groups.setdefault(sampling_key(seq.params), []).append(i)
         races = self._draw_in_batch_order(logits, groups, seqs)
         step = self.rows_per_batch(logits)
@@ -229,12 +228,10 @@ class Sampler:
                 drawn = sample_rows(x, seqs[chunk[0]].params, [seqs[i].generator for i in chunk], race)
                 for i, token in zip(chunk, drawn):
                     tokens[i] = token
-        results = []
-        for row, seq, token in zip(rows, seqs, tokens):
-            result = SampleResult(token)
+        results = [SampleResult(token) for token in tokens]
+        for row, seq, result in zip(rows, seqs, results):
             if seq.params.logprobs is not None:
-                result.logprob, result.top_logprobs = row_logprobs(logits[row], token, seq.params.logprobs)
-            results.append(result)
+                result.logprob, result.top_logprobs = row_logprobs(logits[row], result.token_id, seq.params.logprobs)
         return results
 
     @staticmethod

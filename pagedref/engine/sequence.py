@@ -97,7 +97,7 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         """More than the last sampled token is missing from the cache: prompt (or recompute) to prefill."""
-        return self.num_uncomputed_tokens > 1
+        return len(self.token_ids) - self.num_computed_tokens > 1  # (num_uncomputed_tokens, inlined: per sequence per step)
 
     @property
     def is_finished(self) -> bool:

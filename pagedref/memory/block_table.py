@@ -49,7 +49,7 @@ class BlockTable:
 
     def num_new_blocks(self, num_new_tokens: int) -> int:
         """Blocks that appending num_new_tokens would take from the pool."""
-        return max(0, cdiv(self.num_tokens + num_new_tokens, self.block_size) - len(self.block_ids))
+        return max(0, cdiv(self.num_tokens + num_new_tokens, self.allocator.block_size) - len(self.block_ids))
 
     def slot(self, pos: int) -> int:
         """Physical slot of the token at logical position pos."""
@@ -72,13 +72,15 @@ class BlockTable:
                 f"appending {num_new_tokens} tokens to {self.num_tokens} would exceed max_model_len={self.max_model_len}"
             )
         need = self.num_new_blocks(num_new_tokens)
-        if need > self.allocator.num_free:
-            raise NoFreeBlocksError(f"need {need} more blocks, only {self.allocator.num_free} free")
-        if need:  # (most decode steps take no block: skip building the generator)
+        if need:  # (most decode steps take no block: skip the pool and the generator)
+            if need > self.allocator.num_free:
+                raise NoFreeBlocksError(f"need {need} more blocks, only {self.allocator.num_free} free")
             self.block_ids.extend(self.allocator.allocate() for _ in range(need))
         start = self.num_tokens
         self.num_tokens += num_new_tokens
-        bs, ids = self.block_size, self.block_ids  # the slot formula of `slot`, without its per-token check
+        bs, ids = self.allocator.block_size, self.block_ids  # the slot formula of `slot`, without its per-token check
+        if num_new_tokens == 1:  # a decode: one slot, no range to build (most calls of most steps)
+            return [ids[start // bs] * bs + start % bs]
         return [ids[p // bs] * bs + p % bs for p in range(start, self.num_tokens)]
 
     def free(self) -> None:

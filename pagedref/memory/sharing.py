@@ -137,10 +137,10 @@ class KVCacheManager:
     def blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
         """Free blocks that appending num_new_tokens would use, copy-on-write included."""
         sb = self._get(seq_id)
-        return sb.table.num_new_blocks(num_new_tokens) + int(self._needs_copy(sb) and num_new_tokens > 0)
+        return sb.table.num_new_blocks(num_new_tokens) + int(num_new_tokens > 0 and self._needs_copy(sb))
 
     def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq_id, num_new_tokens) <= self.allocator.num_free
+        return self.blocks_needed(seq_id, num_new_tokens) <= len(self.allocator.free_list)
 
     # --- operations -----------------------------------------------------------------------------
     def allocate(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int = 0) -> tuple[int, list[int]]:
@@ -177,22 +177,23 @@ class KVCacheManager:
         """Give slots to new tokens of a sequence. Returns (slot mapping, copies), where copies are the
         (src, dst) block pairs the KV cache must copy *before* this step writes: copy-on-write."""
         sb = self._get(seq_id)
-        n = len(token_ids)
-        self._check_len(sb.table.num_tokens, n)  # before the copy-on-write below: all or nothing
+        table, n = sb.table, len(token_ids)
+        self._check_len(table.num_tokens, n)  # before the copy-on-write below: all or nothing
         copy = n > 0 and self._needs_copy(sb)
-        need = sb.table.num_new_blocks(n) + int(copy)  # blocks_needed(), without looking the sequence up again
+        need = table.num_new_blocks(n) + int(copy)  # blocks_needed(), without looking the sequence up again
         if need > self.allocator.num_free:
             raise NoFreeBlocksError(f"sequence {seq_id} needs {need} blocks, {self.allocator.num_free} free")
         copies = []
         if copy:
-            src = sb.table.block_ids[-1]
+            src = table.block_ids[-1]
             dst = self.allocator.allocate()
             self.allocator.free(src)  # one holder fewer; the others keep the original
-            sb.table.block_ids[-1] = dst
+            table.block_ids[-1] = dst
             copies.append((src, dst))
-        slots = sb.table.append_slots(n)
+        slots = table.append_slots(n)
         sb.token_ids.extend(token_ids)
-        self._register_full_blocks(sb)
+        if table.num_tokens // self.block_size > len(sb.block_hashes):  # a block filled up (1 decode in block_size)
+            self._register_full_blocks(sb)
         return slots, copies
 
     def _register_full_blocks(self, sb: SequenceBlocks) -> None:
