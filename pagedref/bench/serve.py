@@ -53,6 +53,10 @@ import numpy as np
 from pagedref.bench.memory import BLOCK_SIZE, MAX_MODEL_LEN, WORKLOADS, lognormal_lengths
 
 SYSTEMS = ("pagedref", "contiguous", "hf-static", "hf-continuous")
+# vLLM's benchmark_throughput default. An offline run ends in a tail: the last, longest requests decode a
+# few at a time, as many steps in every engine, so the fewer the requests the more of a run the tail is
+# and the less memory decides its throughput (docs/benchmarks.md: the ratios at 500 and 1000).
+NUM_PROMPTS = 1000
 
 # Real configurations (as on the Hub, transformers 4.x layout), so that the weights' and the KV cache's
 # shapes, and so the memory traffic, are the real models'. "tiny" runs on a CPU in seconds (tests).
@@ -518,7 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pagedref.bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-shape", default=None,
                    help=f"{'|'.join(SHAPES)}, or several separated by commas (default llama-3.1-8b on cuda, tiny on cpu)")
-    p.add_argument("--num-prompts", type=int, default=None, help="requests (default 500; --quick: 100)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help=f"requests (default {NUM_PROMPTS}, vLLM's benchmark_throughput's; --quick: 100)")
     p.add_argument("--input-len", type=int, default=None, help="fix every prompt's length instead of drawing it")
     p.add_argument("--output-len", type=int, default=None, help="fix every output's length instead of drawing it")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
@@ -641,7 +646,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
             parser.error(f"--systems: unknown system {s!r} (choose from {', '.join(SYSTEMS)}, pagedref-eager for "
                          "pagedref without CUDA graphs, or pagedref-tpN for pagedref with tensor_parallel_size=N)")
     if args.num_prompts is None:
-        args.num_prompts = 100 if args.quick else 500
+        args.num_prompts = 100 if args.quick else NUM_PROMPTS
     if args.hf_time_limit is None:
         args.hf_time_limit = 30.0 if args.quick else 100.0
     if args.hf_time_limit <= 0:
