@@ -422,7 +422,7 @@ def fig_scheduling_policies(out: Path, quick: bool) -> list[Path]:
 # GPU runs cannot be repeated here: their figures are drawn from the JSON documents the device runs wrote
 # (`--json-out`), committed under docs/results/ with the command, GPU, date and commit inside them.
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
-SERVE_RESULTS = RESULTS / "serve-2026-11-30-watermark.json"
+SERVE_RESULTS = RESULTS / "serve-2026-11-30-1000.json"
 LATENCY_RESULTS = RESULTS / "latency-llama-3.1-8b-2026-11-30-poisson-seed1.json"
 KERNEL_RESULTS = RESULTS / "kernel-2026-11-30.json"
 
