@@ -523,7 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-shape", default=None,
                    help=f"{'|'.join(SHAPES)}, or several separated by commas (default llama-3.1-8b on cuda, tiny on cpu)")
     p.add_argument("--num-prompts", type=int, default=None,
-                   help=f"requests (default {NUM_PROMPTS}, vLLM's benchmark_throughput's; --quick: 100)")
+                   help=f"requests (default {NUM_PROMPTS}, vLLM's benchmark_throughput's; on the CPU and with --quick, 100)")
     p.add_argument("--input-len", type=int, default=None, help="fix every prompt's length instead of drawing it")
     p.add_argument("--output-len", type=int, default=None, help="fix every output's length instead of drawing it")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
@@ -646,7 +646,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
             parser.error(f"--systems: unknown system {s!r} (choose from {', '.join(SYSTEMS)}, pagedref-eager for "
                          "pagedref without CUDA graphs, or pagedref-tpN for pagedref with tensor_parallel_size=N)")
     if args.num_prompts is None:
-        args.num_prompts = 100 if args.quick else NUM_PROMPTS
+        args.num_prompts = 100 if args.quick or device == "cpu" else NUM_PROMPTS  # the CPU's tiny shape: a smoke run
     if args.hf_time_limit is None:
         args.hf_time_limit = 30.0 if args.quick else 100.0
     if args.hf_time_limit <= 0:
