@@ -216,9 +216,9 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence) -> SequenceStatus | None:
         """vLLM's rules: length (max_tokens, max_model_len), eos unless ignore_eos, stop token ids; then a
         stop string in the text stops it too (even on its last allowed token) and cuts the text."""
-        p, token, num_tokens = seq.params, seq.token_ids[-1], len(seq.token_ids)
+        p, token = seq.params, seq.token_ids[-1]
         status = None
-        if num_tokens >= self.max_model_len or (p.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= p.max_tokens):
+        if seq.num_tokens >= self.max_model_len or (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens):
             status = SequenceStatus.FINISHED_LENGTH_CAPPED
         elif not p.ignore_eos and token in self.eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED

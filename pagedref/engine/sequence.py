@@ -97,8 +97,7 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         """More than the last sampled token is missing from the cache: prompt (or recompute) to prefill."""
-        # num_uncomputed_tokens > 1, without the nested property call: asked of every sequence every step
-        return len(self.token_ids) - self.num_computed_tokens > 1
+        return self.num_uncomputed_tokens > 1
 
     @property
     def is_finished(self) -> bool:

@@ -140,7 +140,7 @@ class KVCacheManager:
         return sb.table.num_new_blocks(num_new_tokens) + int(num_new_tokens > 0 and self._needs_copy(sb))
 
     def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq_id, num_new_tokens) <= len(self.allocator.free_list)
+        return self.blocks_needed(seq_id, num_new_tokens) <= self.allocator.num_free
 
     # --- operations -----------------------------------------------------------------------------
     def allocate(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int = 0) -> tuple[int, list[int]]:
@@ -192,8 +192,7 @@ class KVCacheManager:
             copies.append((src, dst))
         slots = table.append_slots(n)
         sb.token_ids.extend(token_ids)
-        if table.num_tokens // self.block_size > len(sb.block_hashes):  # a block filled up (1 decode in block_size)
-            self._register_full_blocks(sb)
+        self._register_full_blocks(sb)
         return slots, copies
 
     def _register_full_blocks(self, sb: SequenceBlocks) -> None:
