@@ -5,8 +5,14 @@ are one idea per module: attention (the oracle) → memory (contiguous baseline,
 block table, sharing) → kernels (CUDA through CuPy) → engine (continuous batching, chunked prefill).
 """
 
+from pathlib import Path
+
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "DEFAULT_MODEL"]
+
+# The small Llama that ships inside the package (trained by `python -m pagedref.train_default` on this
+# project's own lessons): `LLM(model=pagedref.DEFAULT_MODEL)`, and what `python -m pagedref.generate` runs.
+DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "default-model"
 
 
 def __getattr__(name: str):

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "default-model"
+from pagedref import DEFAULT_MODEL
 
 # With no prompt given: openings from the embedded model's own corpus (it has memorised its lessons).
 # The first is sampled three times (n=3): it ends where the stage READMEs differ, so each sample picks

@@ -34,10 +34,10 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from pagedref import DEFAULT_MODEL as DEFAULT_OUT
 from pagedref.models import LlamaForCausalLM, ModelConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = Path(__file__).resolve().parent / "assets" / "default-model"
 BOS, EOS = "<s>", "</s>"  # ids 0 and 1: the trainer puts special tokens first
 
 

@@ -1,4 +1,4 @@
-"""Test-only helpers: where the shared models are, and a small paged driver for the model tests.
+"""Test-only helpers: where the test models are, and a small paged driver for the model tests.
 
 The driver is deliberately not the engine: no scheduler, no block manager. Every sequence gets, up
 front, all the blocks it will ever need, taken from a shuffled pool, and every unfinished sequence
@@ -9,7 +9,6 @@ AttentionMetadata by hand, so the model and the backend are tested on their own.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,22 +18,23 @@ from pagedref.backends.metadata import AttentionMetadata
 from pagedref.backends.reference import ReferenceBackend
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# ../shared/models beside the checkout; PAGEDREF_SHARED_MODELS points elsewhere (the GPU machine, where
-# only the working tree travels and the models are carried in a git-ignored folder).
-SHARED_MODELS = Path(os.environ.get("PAGEDREF_SHARED_MODELS", REPO_ROOT / ".." / "shared" / "models")).resolve()
+# The test models and their oracle outputs live in the repository (tests/models/, each with its
+# PROVENANCE.md): a clone with nothing beside it runs every test. They stay outside the installed
+# package: only the tests read them.
+TEST_MODELS = REPO_ROOT / "tests" / "models"
 HF_MODELS = ("tiny-llama3-hd64", "tiny-qwen2-hd128", "tiny-mistral-hd32")
 
 
-def shared_model(name: str) -> Path:
-    """Path of ../shared/models/<name>; an error naming it if it is missing (nothing is skipped)."""
-    path = SHARED_MODELS / name
+def model_path(name: str) -> Path:
+    """Path of tests/models/<name>; an error naming it if it is missing (nothing is skipped)."""
+    path = TEST_MODELS / name
     if not path.is_dir():
-        raise FileNotFoundError(f"shared model {name!r} not found at {path}")
+        raise FileNotFoundError(f"test model {name!r} not found at {path}")
     return path
 
 
 def read_reference(name: str, file: str) -> dict:
-    return json.loads((shared_model(name) / file).read_text())
+    return json.loads((model_path(name) / file).read_text())
 
 
 def make_kv_caches(model, num_blocks: int, block_size: int, fill: float = float("nan")):

@@ -8,12 +8,12 @@ import shutil
 import pytest
 import torch
 
-from helpers import shared_model
+from helpers import model_path
 from pagedref import LLM, SamplingParams
 from pagedref.engine import BeamSearchParams
 from pagedref.engine.model_runner import kv_block_bytes
 
-STORIES = shared_model("stories260K")
+STORIES = model_path("stories260K")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import read_reference, shared_model
+from helpers import read_reference, model_path
 from pagedref import LLM, SamplingParams
 from pagedref.engine import BeamSearchParams
 from pagedref.kernels import gpu_available
@@ -27,7 +27,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=len(CASES[0]["greedy_ids"]),
 def test_the_pool_is_sized_from_gpu_memory_utilization_after_profiling():
     sizes = []
     for utilization in (0.3, 0.6):
-        llm = LLM(shared_model(MODEL), device="cuda", gpu_memory_utilization=utilization, max_model_len=512)
+        llm = LLM(model_path(MODEL), device="cuda", gpu_memory_utilization=utilization, max_model_len=512)
         sizes.append(llm.num_kv_blocks)
         outs = llm.generate(PROMPTS[:1], GREEDY)
         assert outs[0].outputs[0].token_ids == CASES[0]["greedy_ids"]
@@ -40,7 +40,7 @@ def test_the_pool_is_sized_from_gpu_memory_utilization_after_profiling():
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_in_a_tiny_pool_keeps_every_request_right(mode):
     # 512 / 16 = 32 blocks hold one sequence of max_model_len; 4 requests of up to 364 tokens need ~45.
-    llm = LLM(shared_model(MODEL), device="cuda", max_model_len=512, num_kv_blocks=34, preemption_mode=mode,
+    llm = LLM(model_path(MODEL), device="cuda", max_model_len=512, num_kv_blocks=34, preemption_mode=mode,
               max_num_batched_tokens=128)
     outs = llm.generate(PROMPTS, GREEDY)
     stats = llm.get_stats()
@@ -52,7 +52,7 @@ def test_preemption_in_a_tiny_pool_keeps_every_request_right(mode):
 
 
 def test_parallel_sampling_beam_search_and_the_contiguous_baseline():
-    llm = LLM(shared_model("stories260K"), device="cuda", num_kv_blocks=256)
+    llm = LLM(model_path("stories260K"), device="cuda", num_kv_blocks=256)
     out = llm.generate("Once upon a time", SamplingParams(n=3, temperature=0.8, seed=0, max_tokens=20))[0]
     assert [len(c.token_ids) for c in out.outputs] == [20, 20, 20]
     again = llm.generate("Once upon a time", SamplingParams(n=3, temperature=0.8, seed=0, max_tokens=20))[0]
@@ -62,6 +62,6 @@ def test_parallel_sampling_beam_search_and_the_contiguous_baseline():
     assert len(beams) == 3 and scores == sorted(scores, reverse=True)
     assert llm.llm_engine.block_manager.all_free()
     case = read_reference("stories260K", "llama2c_reference.json")["cases"][1]
-    contiguous = LLM(shared_model("stories260K"), device="cuda", num_kv_blocks=256, kv_cache="contiguous")
+    contiguous = LLM(model_path("stories260K"), device="cuda", num_kv_blocks=256, kv_cache="contiguous")
     got = contiguous.generate(case["prompt"], SamplingParams(temperature=0, max_tokens=50))[0].outputs[0].token_ids
     assert got == case["greedy_ids"][:50]

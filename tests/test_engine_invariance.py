@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import read_reference, shared_model
+from helpers import read_reference, model_path
 from pagedref import LLM, SamplingParams
 
 MAX_MODEL_LEN = 64
@@ -27,7 +27,7 @@ PARAMS[5] = SamplingParams(n=2, temperature=1.0, top_k=20, seed=3, max_tokens=24
 
 
 def make_llm(**kw) -> LLM:
-    return LLM(shared_model("stories260K"), max_model_len=MAX_MODEL_LEN, record_logits=True, **kw)
+    return LLM(model_path("stories260K"), max_model_len=MAX_MODEL_LEN, record_logits=True, **kw)
 
 
 def completions(outputs):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import HF_MODELS, read_reference, shared_model
+from helpers import HF_MODELS, read_reference, model_path
 from pagedref import LLM, SamplingParams
 from pagedref.kernels import gpu_available
 
@@ -34,7 +34,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
 
 @pytest.fixture(scope="module", params=DEVICES)
 def stories(request):
-    llm = LLM(shared_model("stories260K"), device=request.param, num_kv_blocks=6 * 32 + 8)
+    llm = LLM(model_path("stories260K"), device=request.param, num_kv_blocks=6 * 32 + 8)
     yield llm
     llm.close()
 
@@ -78,7 +78,7 @@ def test_stories260k_greedy_all_prompts_in_one_batch_match_llama2c(stories):
 def test_tiny_hf_models_batched_match_transformers(name, budget, device):
     ref = read_reference(name, "hf_reference.json")
     cases = ref["cases"]
-    llm = LLM(shared_model(name), device=device, max_model_len=512, num_kv_blocks=4 * 32, record_logits=True,
+    llm = LLM(model_path(name), device=device, max_model_len=512, num_kv_blocks=4 * 32, record_logits=True,
               max_num_batched_tokens=budget or 2048)
     # One more token than the references: the last logits row predicts next_id_after_greedy.
     params = SamplingParams(temperature=0.0, max_tokens=len(cases[0]["greedy_ids"]) + 1, ignore_eos=True)

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from pagedref import generate, train_default
-from helpers import REPO_ROOT, shared_model
+from helpers import REPO_ROOT, model_path
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -94,7 +94,7 @@ def test_seed_makes_sampling_reproducible(capsys):
 
 
 def test_stories260k_reproduces_llama2c_reference_text(capsys):
-    model = shared_model("stories260K")
+    model = model_path("stories260K")
     ref = json.loads((model / "llama2c_reference.json").read_text())
     prompts = [c["prompt"] for c in ref["cases"]]
     args = ["--model", str(model), "--device", "cpu", "--dtype", "float32", "--temperature", "0", "--max-tokens", "512"]
@@ -120,7 +120,7 @@ def test_stories260k_reproduces_llama2c_reference_text(capsys):
 def test_prompts_file_txt_one_prompt_a_line(tmp_path, capsys):
     f = tmp_path / "prompts.txt"
     f.write_text("Once upon a time\n\nLily and Tom\n")
-    doc = run_json(capsys, "--model", str(shared_model("stories260K")), "--prompts-file", str(f), "--max-tokens", "3",
+    doc = run_json(capsys, "--model", str(model_path("stories260K")), "--prompts-file", str(f), "--max-tokens", "3",
                    "--temperature", "0")
     assert [r["prompt"] for r in doc["requests"]] == ["Once upon a time", "Lily and Tom"]  # blank line skipped
 
@@ -129,7 +129,7 @@ def test_prompts_file_jsonl_fields_override_flags(tmp_path, capsys):
     f = tmp_path / "prompts.jsonl"
     f.write_text(json.dumps({"prompt": "Once upon a time", "n": 2, "max_tokens": 3, "seed": 1}) + "\n"
                  + json.dumps({"prompt": "The dog"}) + "\n")
-    doc = run_json(capsys, "--model", str(shared_model("stories260K")), "--prompts-file", str(f), "--max-tokens", "5",
+    doc = run_json(capsys, "--model", str(model_path("stories260K")), "--prompts-file", str(f), "--max-tokens", "5",
                    "--prompt", "Lily")
     assert [r["prompt"] for r in doc["requests"]] == ["Lily", "Once upon a time", "The dog"]  # --prompt ones first
     lens = [[len(c["token_ids"]) for c in r["completions"]] for r in doc["requests"]]
@@ -182,10 +182,10 @@ def test_bad_prompts_files_are_named(tmp_path, capsys):
 def test_bad_models_are_named(tmp_path, capsys):
     assert "no such directory" in usage_error(capsys, "--model", str(tmp_path / "nope" / "deeper" / "x"))
     assert "not a model directory" in usage_error(capsys, "--model", str(tmp_path))
-    err = usage_error(capsys, "--model", str(shared_model("stories260K")), "--max-model-len", "100000")
+    err = usage_error(capsys, "--model", str(model_path("stories260K")), "--max-model-len", "100000")
     assert "max_model_len" in err
     long_prompt = "Once upon a time " * 200
-    err = usage_error(capsys, "--model", str(shared_model("stories260K")), "--prompt", long_prompt)
+    err = usage_error(capsys, "--model", str(model_path("stories260K")), "--prompt", long_prompt)
     assert "max_model_len" in err
 
 

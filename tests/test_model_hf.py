@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import HF_MODELS, build_metadata, greedy_generate, read_reference, shared_model
+from helpers import HF_MODELS, build_metadata, greedy_generate, read_reference, model_path
 from pagedref.backends.reference import ReferenceBackend
 from pagedref.models import LlamaForCausalLM, load_model
 from pagedref.models.llama import one_thread
@@ -33,12 +33,12 @@ def name(request):
 
 @pytest.fixture(scope="module")
 def model(name):
-    return load_model(shared_model(name), dtype=torch.float32)
+    return load_model(model_path(name), dtype=torch.float32)
 
 
 @pytest.mark.parametrize("batch_invariant", [True, False], ids=["per-row", "batched-ops"])
 def test_greedy_ids_and_logits_match_transformers(name, batch_invariant):
-    model = load_model(shared_model(name), batch_invariant=batch_invariant)
+    model = load_model(model_path(name), batch_invariant=batch_invariant)
     ref = read_reference(name, "hf_reference.json")
     cases = ref["cases"]
     # 65 decisions: the 64 greedy ids, then the one after them (the reference's last logits row).
@@ -78,7 +78,7 @@ def test_forward_train_matches_transformers(name, model):
 
 @pytest.mark.parametrize("which", HF_MODELS + ("stories260K",))
 def test_forward_train_matches_the_paged_path(which):
-    model = load_model(shared_model(which))
+    model = load_model(model_path(which))
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(3, model.config.vocab_size, (3, 40), generator=gen)
     train_logits = model.forward_train(tokens)  # [3, 40, vocab]
@@ -93,7 +93,7 @@ def test_forward_train_matches_the_paged_path(which):
 def test_forward_train_trains(name):
     # A freshly built model (random init, gradients on): one SGD step lowers the loss on its batch.
     torch.manual_seed(0)
-    model = LlamaForCausalLM(load_model(shared_model(name)).config)
+    model = LlamaForCausalLM(load_model(model_path(name)).config)
     tokens = torch.randint(3, model.config.vocab_size, (2, 16))
 
     def loss_fn():
@@ -114,7 +114,7 @@ def test_forward_train_trains(name):
 def test_on_cuda_batched_ops_match_transformers(name):
     # The GPU path of the model (batched ops, batch_invariant=False) with the reference attention
     # backend, which reads the CUDA pools through the block tables and attends on the CPU.
-    model = load_model(shared_model(name), device="cuda", batch_invariant=False)
+    model = load_model(model_path(name), device="cuda", batch_invariant=False)
     cases = read_reference(name, "hf_reference.json")["cases"]
     ids, logits = greedy_generate(model, [c["prompt_ids"] for c in cases], len(cases[0]["greedy_ids"]) + 1)
     assert [got[:-1] for got in ids] == [c["greedy_ids"] for c in cases]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import greedy_generate, read_reference, shared_model
+from helpers import greedy_generate, read_reference, model_path
 from pagedref.models import load_model
 
 NEW_TOKENS = 12
@@ -28,7 +28,7 @@ def prompts_of(name: str) -> list[list[int]]:
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def setup(request):
     name, dtype = request.param
-    model = load_model(shared_model(name), dtype=dtype)
+    model = load_model(model_path(name), dtype=dtype)
     prompts = prompts_of(name)
     ids, logits = greedy_generate(model, prompts, NEW_TOKENS)  # the batch, each prompt prefilled whole
     return model, prompts, ids, logits
@@ -61,7 +61,7 @@ def test_block_size_and_placement_do_not_matter(setup, block_size, seed):
 
 
 def test_per_row_path_leaves_the_thread_setting_as_it_found_it():
-    model = load_model(shared_model("stories260K"))
+    model = load_model(model_path("stories260K"))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)

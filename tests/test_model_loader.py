@@ -1,6 +1,6 @@
 """Loading Hugging Face directories: both config layouts, sharded weights, dtypes, and every refusal.
 
-Scratch model directories are built in tmp_path from the shared ones (symlinked or rewritten), never
+Scratch model directories are built in tmp_path from the test models (symlinked or rewritten), never
 in the repository.
 """
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import HF_MODELS, greedy_generate, shared_model
+from helpers import HF_MODELS, greedy_generate, model_path
 from pagedref.models import (
     SUPPORTED_ARCHITECTURES,
     LlamaForCausalLM,
@@ -29,8 +29,8 @@ PROMPTS = [[1, 5, 300, 7, 42, 9, 77], [1, 250]]
 
 
 def scratch_copy(name: str, tmp_path: Path, skip: tuple[str, ...] = ()) -> Path:
-    """tmp_path/name: symlinks to the shared model's files (except `skip`), so single files can be replaced."""
-    src, dst = shared_model(name), tmp_path / name
+    """tmp_path/name: symlinks to the test model's files (except `skip`), so single files can be replaced."""
+    src, dst = model_path(name), tmp_path / name
     dst.mkdir()
     for f in src.iterdir():
         if f.is_file() and f.name not in skip:
@@ -54,17 +54,17 @@ def same_params(a: LlamaForCausalLM, b: LlamaForCausalLM) -> bool:
 
 
 def test_config_fields_of_each_layout_and_architecture():
-    llama = ModelConfig.from_pretrained(shared_model("tiny-llama3-hd64"))  # transformers 5.x layout
+    llama = ModelConfig.from_pretrained(model_path("tiny-llama3-hd64"))  # transformers 5.x layout
     assert (llama.architecture, llama.head_dim, llama.num_key_value_heads, llama.rope_theta) == ("LlamaForCausalLM", 64, 2, 500000.0)
     assert llama.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
     assert not llama.tie_word_embeddings and not llama.attention_bias and llama.dtype == torch.float32
-    qwen = ModelConfig.from_pretrained(shared_model("tiny-qwen2-hd128"))
+    qwen = ModelConfig.from_pretrained(model_path("tiny-qwen2-hd128"))
     assert qwen.head_dim == 128  # no head_dim key: hidden_size / num_attention_heads
     assert qwen.attention_bias and not qwen.o_proj_bias and qwen.tie_word_embeddings and qwen.rope_scaling is None
-    mistral = ModelConfig.from_pretrained(shared_model("tiny-mistral-hd32"))
+    mistral = ModelConfig.from_pretrained(model_path("tiny-mistral-hd32"))
     assert (mistral.architecture, mistral.head_dim, mistral.rms_norm_eps) == ("MistralForCausalLM", 32, 1e-6)
-    stories = ModelConfig.from_pretrained(shared_model("stories260K"))  # transformers 4.x layout
+    stories = ModelConfig.from_pretrained(model_path("stories260K"))  # transformers 4.x layout
     assert (stories.rope_theta, stories.rope_scaling, stories.eos_token_ids) == (10000.0, None, (2, 1))
 
 
@@ -80,14 +80,14 @@ def test_transformers_4x_config_loads_the_same_model(tmp_path, type_key):
         cfg["torch_dtype"] = cfg.pop("dtype")
 
     rewrite_config(path, to_4x)
-    assert ModelConfig.from_pretrained(path) == ModelConfig.from_pretrained(shared_model("tiny-llama3-hd64"))
-    a, b = load_model(path), load_model(shared_model("tiny-llama3-hd64"))
+    assert ModelConfig.from_pretrained(path) == ModelConfig.from_pretrained(model_path("tiny-llama3-hd64"))
+    a, b = load_model(path), load_model(model_path("tiny-llama3-hd64"))
     assert same_params(a, b)
     assert torch.equal(a.model.rotary.cos, b.model.rotary.cos) and torch.equal(a.model.rotary.sin, b.model.rotary.sin)
 
 
 def test_linear_rope_scaling_divides_positions():
-    base = ModelConfig.from_pretrained(shared_model("stories260K"))
+    base = ModelConfig.from_pretrained(model_path("stories260K"))
     linear = ModelConfig.from_dict({**_raw("stories260K"), "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert linear.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     plain, scaled = RotaryEmbedding(base), RotaryEmbedding(linear)
@@ -96,7 +96,7 @@ def test_linear_rope_scaling_divides_positions():
 
 
 def _raw(name: str) -> dict:
-    return json.loads((shared_model(name) / "config.json").read_text())
+    return json.loads((model_path(name) / "config.json").read_text())
 
 
 @pytest.mark.parametrize(
@@ -147,7 +147,7 @@ def test_sliding_window_that_binds_is_refused_one_that_cannot_is_accepted():
 def test_sharded_checkpoint_loads_like_the_single_file(tmp_path):
     name = "tiny-qwen2-hd128"  # tied embeddings: the index has no lm_head.weight
     path = scratch_copy(name, tmp_path, skip=("model.safetensors",))
-    tensors = load_file(shared_model(name) / "model.safetensors")
+    tensors = load_file(model_path(name) / "model.safetensors")
     names = sorted(tensors)
     shards = {"model-00001-of-00003.safetensors": names[0::3], "model-00002-of-00003.safetensors": names[1::3],
               "model-00003-of-00003.safetensors": names[2::3]}
@@ -155,7 +155,7 @@ def test_sharded_checkpoint_loads_like_the_single_file(tmp_path):
         save_file({k: tensors[k] for k in keys}, str(path / file), metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {k: file for file, keys in shards.items() for k in keys}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    sharded, single = load_model(path), load_model(shared_model(name))
+    sharded, single = load_model(path), load_model(model_path(name))
     assert same_params(sharded, single)
     assert sharded.lm_head.weight is sharded.model.embed_tokens.weight  # still tied after loading
     (path / "model-00002-of-00003.safetensors").unlink()
@@ -171,7 +171,7 @@ def test_missing_weight_file_is_named(tmp_path):
 
 def test_missing_tensor_is_named(tmp_path):
     path = scratch_copy("tiny-llama3-hd64", tmp_path, skip=("model.safetensors",))
-    tensors = load_file(shared_model("tiny-llama3-hd64") / "model.safetensors")
+    tensors = load_file(model_path("tiny-llama3-hd64") / "model.safetensors")
     del tensors["model.layers.1.mlp.down_proj.weight"]
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match="model.safetensors has no tensor 'model.layers.1.mlp.down_proj.weight'"):
@@ -196,16 +196,16 @@ def test_missing_config_and_tokenizer_are_named(tmp_path):
 @pytest.mark.parametrize("dtype, error", [("float64", ValueError), (torch.int8, ValueError), (32, TypeError)])
 def test_bad_dtype_is_refused(dtype, error):
     with pytest.raises(error, match="dtype"):
-        load_model(shared_model("stories260K"), dtype=dtype)
+        load_model(model_path("stories260K"), dtype=dtype)
 
 
 def test_loaded_model_is_ready_for_inference():
-    model = load_model(shared_model("tiny-llama3-hd64"))
+    model = load_model(model_path("tiny-llama3-hd64"))
     assert not model.training
     assert not any(p.requires_grad for p in model.parameters())
     assert model.lm_head.weight is not model.model.embed_tokens.weight  # untied: its own lm_head.weight
     assert model.config.architecture == "LlamaForCausalLM"
-    tied = load_model(shared_model("tiny-qwen2-hd128"))
+    tied = load_model(model_path("tiny-qwen2-hd128"))
     assert tied.lm_head.weight is tied.model.embed_tokens.weight  # tied: one parameter, loaded once
 
 
@@ -213,8 +213,8 @@ def test_loaded_model_is_ready_for_inference():
 @pytest.mark.parametrize("dtype, max_rel_err", [("float16", 1e-2), ("bfloat16", 5e-2)])
 def test_half_precision_models_run_close_to_float32(name, dtype, max_rel_err):
     # Greedy ids may part ways after a near tie, so compare the first decision's logits, norm-relative.
-    ref = greedy_generate(load_model(shared_model(name)), PROMPTS, 1)[1]
-    model = load_model(shared_model(name), dtype=dtype)
+    ref = greedy_generate(load_model(model_path(name)), PROMPTS, 1)[1]
+    model = load_model(model_path(name), dtype=dtype)
     assert model.lm_head.weight.dtype == getattr(torch, dtype)
     got = greedy_generate(model, PROMPTS, 1)[1]
     for g, r in zip(got, ref):
@@ -223,5 +223,5 @@ def test_half_precision_models_run_close_to_float32(name, dtype, max_rel_err):
 
 
 def test_auto_dtype_is_the_checkpoints():
-    assert load_model(shared_model("stories260K"), dtype="auto").lm_head.weight.dtype == torch.float32
-    assert load_model(shared_model("stories260K"), dtype=None).lm_head.weight.dtype == torch.float32
+    assert load_model(model_path("stories260K"), dtype="auto").lm_head.weight.dtype == torch.float32
+    assert load_model(model_path("stories260K"), dtype=None).lm_head.weight.dtype == torch.float32

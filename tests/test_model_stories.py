@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import greedy_generate, read_reference, shared_model
+from helpers import greedy_generate, read_reference, model_path
 from pagedref.models import load_model, load_tokenizer
 
 REF = read_reference("stories260K", "llama2c_reference.json")
@@ -25,7 +25,7 @@ def until_bos(case: dict) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model():
-    return load_model(shared_model("stories260K"), dtype=torch.float32)
+    return load_model(model_path("stories260K"), dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +49,14 @@ def test_greedy_batched_matches_run_c_and_is_bitwise_the_alone_run(model, alone)
 
 def test_config_reads_both_eos_ids():
     # config.json says eos 2; generation_config.json says [2, 1] (BOS ends a story): the union is both.
-    model_config = load_model(shared_model("stories260K")).config
+    model_config = load_model(model_path("stories260K")).config
     assert model_config.eos_token_ids == (2, 1)
     assert model_config.bos_token_id == 1
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return load_tokenizer(shared_model("stories260K"))
+    return load_tokenizer(model_path("stories260K"))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[repr(c["prompt"])[:24] for c in CASES])
@@ -81,6 +81,6 @@ def test_tokenizer_special_ids(tokenizer):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_batched_ops_match_run_c():
     # The GPU path of the model (batched ops) with the reference attention backend reading the CUDA pools.
-    model = load_model(shared_model("stories260K"), device="cuda", batch_invariant=False)
+    model = load_model(model_path("stories260K"), device="cuda", batch_invariant=False)
     ids, _ = greedy_generate(model, [c["prompt_ids"] for c in CASES], [len(until_bos(c)) for c in CASES])
     assert ids == [until_bos(c) for c in CASES]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import pagedref.distributed.worker as tp_worker
-from helpers import shared_model
+from helpers import model_path
 from pagedref import LLM, SamplingParams
 from pagedref.distributed.worker import TPWorkerError, Worker
 
@@ -38,7 +38,7 @@ def no_hang(request):
 
 def run(name: str, tp: int, **kw):
     """Greedy tokens and logits of PROMPTS at tensor_parallel_size=tp; the LLM is closed after."""
-    llm = LLM(shared_model(name), max_model_len=32, record_logits=True, tensor_parallel_size=tp, **kw)
+    llm = LLM(model_path(name), max_model_len=32, record_logits=True, tensor_parallel_size=tp, **kw)
     try:
         outputs = llm.generate(PROMPTS, GREEDY)
         stats = llm.get_stats()
@@ -67,7 +67,7 @@ def test_tp2_greedy_tokens_equal_tp1(name):
 def test_tp2_keeps_the_engine_batch_invariant():
     # The CPU numerics contract at TP=2: a request's logits, batched with preemption by swap and
     # chunked prefill, are bit-identical to the same request run alone.
-    llm = LLM(shared_model("stories260K"), max_model_len=32, record_logits=True, tensor_parallel_size=2,
+    llm = LLM(model_path("stories260K"), max_model_len=32, record_logits=True, tensor_parallel_size=2,
               num_kv_blocks=9, block_size=4, preemption_mode="swap", max_num_batched_tokens=8)
     try:
         batched = llm.generate(PROMPTS, GREEDY)
@@ -85,7 +85,7 @@ def test_copy_on_write_reaches_every_rank():
     params = SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
     outs = []
     for tp in (1, 2):
-        llm = LLM(shared_model("stories260K"), max_model_len=64, record_logits=True, tensor_parallel_size=tp,
+        llm = LLM(model_path("stories260K"), max_model_len=64, record_logits=True, tensor_parallel_size=tp,
                   num_kv_blocks=32, block_size=4)
         try:
             outs.append([(c.token_ids, c.logits) for c in llm.generate(PROMPTS[1], params)[0].outputs])
@@ -97,23 +97,23 @@ def test_copy_on_write_reaches_every_rank():
 def test_kv_heads_that_do_not_divide_fail_before_any_process_starts():
     # tiny-qwen2-hd128: 2 query heads, 1 KV head. pagedref refuses (vLLM would replicate the KV head).
     with pytest.raises(ValueError, match="num_key_value_heads=1 is not divisible by tensor_parallel_size=2"):
-        LLM(shared_model("tiny-qwen2-hd128"), tensor_parallel_size=2)
+        LLM(model_path("tiny-qwen2-hd128"), tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize(("value", "error"), [(0, ValueError), ("2", TypeError)])
 def test_tensor_parallel_size_is_checked(value, error):
     with pytest.raises(error, match="tensor_parallel_size"):
-        LLM(shared_model("stories260K"), tensor_parallel_size=value)
+        LLM(model_path("stories260K"), tensor_parallel_size=value)
 
 
 def test_an_error_after_the_workers_started_stops_them():
     # The pool is checked after the workers have loaded their shards: 1 block cannot hold a sequence.
     with pytest.raises(ValueError, match="cannot hold one sequence"):
-        LLM(shared_model("stories260K"), max_model_len=64, num_kv_blocks=1, tensor_parallel_size=2)
+        LLM(model_path("stories260K"), max_model_len=64, num_kv_blocks=1, tensor_parallel_size=2)
 
 
 def test_close_stops_and_reaps_the_workers():
-    llm = LLM(shared_model("stories260K"), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
+    llm = LLM(model_path("stories260K"), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
     procs = llm.llm_engine.runner.workers.procs
     assert len(procs) == 1 and procs[0].is_alive()
     llm.generate(PROMPTS[1], GREEDY)
@@ -125,16 +125,16 @@ def test_close_stops_and_reaps_the_workers():
 
 
 def test_only_one_tensor_parallel_llm_per_process():
-    llm = LLM(shared_model("stories260K"), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
+    llm = LLM(model_path("stories260K"), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
     try:
         with pytest.raises(RuntimeError, match="close it first"):
-            LLM(shared_model("stories260K"), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
+            LLM(model_path("stories260K"), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
     finally:
         llm.close()
 
 
 def test_a_killed_worker_fails_the_engine_and_nothing_is_left():
-    llm = LLM(shared_model("stories260K"), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
+    llm = LLM(model_path("stories260K"), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
     engine = llm.llm_engine
     engine.add_request("r", PROMPTS[0], GREEDY)
     engine.step()  # the prefill, on both ranks
@@ -165,7 +165,7 @@ def failing_worker_main(*args):
 
 def test_an_error_in_a_worker_fails_the_engine_with_its_traceback(monkeypatch):
     monkeypatch.setattr(tp_worker, "worker_main", failing_worker_main)  # spawn pickles the target by name
-    llm = LLM(shared_model("stories260K"), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
+    llm = LLM(model_path("stories260K"), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
     with pytest.raises(TPWorkerError, match="worker rank 1 failed: Traceback") as info:
         llm.generate(PROMPTS, GREEDY)
     assert "FloatingPointError: injected failure in the worker's third step" in str(info.value)
@@ -177,10 +177,10 @@ def test_an_error_in_a_worker_fails_the_engine_with_its_traceback(monkeypatch):
 def test_cuda_needs_one_gpu_per_rank():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA GPU"):
-            LLM(shared_model("stories260K"), device="cuda", tensor_parallel_size=2)
+            LLM(model_path("stories260K"), device="cuda", tensor_parallel_size=2)
     else:
         with pytest.raises(ValueError, match="needs 2 GPUs"):
-            LLM(shared_model("stories260K"), device="cuda", tensor_parallel_size=2)
+            LLM(model_path("stories260K"), device="cuda", tensor_parallel_size=2)
 
 
 TORCHRUN_SCRIPT = """
@@ -206,7 +206,7 @@ def test_under_torchrun_rank0_drives_and_rank1_serves(tmp_path):
 
     script = tmp_path / "tp_script.py"
     script.write_text(TORCHRUN_SCRIPT)
-    name = shared_model("tiny-llama3-hd64")
+    name = model_path("tiny-llama3-hd64")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(script), str(name), json.dumps(PROMPTS)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TEST_TIMEOUT_S)
@@ -252,7 +252,7 @@ def processes_marked(mark: str) -> list[int]:
 def test_cli_tensor_parallel_gives_the_single_process_tokens_and_leaves_nothing():
     import json
 
-    name = shared_model("stories260K")
+    name = model_path("stories260K")
     res, left = run_cli("--model", str(name), "--device", "cpu", "--prompt", "Once upon a time", "--temperature", "0",
                         "--max-tokens", "24", "--tensor-parallel-size", "2", "--json")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -266,7 +266,7 @@ def test_cli_tensor_parallel_gives_the_single_process_tokens_and_leaves_nothing(
 
 def test_cli_error_after_the_workers_started_leaves_nothing():
     # The prompt is longer than --max-model-len: refused by generate(), after the worker has started.
-    res, left = run_cli("--model", str(shared_model("stories260K")), "--device", "cpu", "--max-model-len", "4",
+    res, left = run_cli("--model", str(model_path("stories260K")), "--device", "cpu", "--max-model-len", "4",
                         "--prompt", "Once upon a time there was", "--tensor-parallel-size", "2")
     assert res.returncode == 2 and "more than max_model_len=4" in res.stderr
     assert left == [], "the CLI exited but left processes running"

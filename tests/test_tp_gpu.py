@@ -13,7 +13,7 @@ import signal
 import pytest
 import torch
 
-from helpers import shared_model
+from helpers import model_path
 from pagedref import LLM, SamplingParams
 from pagedref.kernels import gpu_available
 from test_tp_engine import PROMPTS, no_hang  # noqa: F401  (the autouse fixture: no hang, no process left)
@@ -28,7 +28,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 def run(name: str, tp: int, **kw):
-    llm = LLM(shared_model(name), device="cuda", dtype="float32", max_model_len=64, record_logits=True,
+    llm = LLM(model_path(name), device="cuda", dtype="float32", max_model_len=64, record_logits=True,
               tensor_parallel_size=tp, **kw)
     try:
         return [(c.token_ids, c.logits) for o in llm.generate(PROMPTS, GREEDY) for c in o.outputs]
@@ -48,7 +48,7 @@ def test_tp2_greedy_tokens_equal_tp1_on_two_gpus(name):
 
 def test_kv_pool_sized_by_profiling_every_gpu():
     # No num_kv_blocks: each rank profiles its own GPU, and all take the smallest count.
-    llm = LLM(shared_model("tiny-llama3-hd64"), device="cuda", dtype="float32", max_model_len=64,
+    llm = LLM(model_path("tiny-llama3-hd64"), device="cuda", dtype="float32", max_model_len=64,
               gpu_memory_utilization=0.3, tensor_parallel_size=2)
     try:
         assert llm.num_kv_blocks > 0
@@ -63,7 +63,7 @@ def test_a_killed_worker_fails_the_engine_on_nccl_too():
     # NCCL would wait for it until the timeout, is caught by the pool's watch thread (it aborts NCCL).
     from pagedref.distributed.worker import TPWorkerError
 
-    llm = LLM(shared_model("tiny-llama3-hd64"), device="cuda", dtype="float32", max_model_len=64,
+    llm = LLM(model_path("tiny-llama3-hd64"), device="cuda", dtype="float32", max_model_len=64,
               num_kv_blocks=16, tensor_parallel_size=2)
     engine = llm.llm_engine
     engine.add_request("r", PROMPTS[0], GREEDY)

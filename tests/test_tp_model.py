@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 import helpers
-from helpers import greedy_generate, shared_model
+from helpers import greedy_generate, model_path
 from pagedref.distributed import TPGroup, check_tensor_parallel_size, destroy_tp_group, init_tp_group
 from pagedref.distributed.parallel import free_port
 from pagedref.models import LlamaForCausalLM, ModelConfig, load_model
@@ -42,7 +42,7 @@ def _rank_main(rank: int, port: int, out_path: str) -> None:
     try:
         results = {}
         for name in TP_MODELS:
-            model = load_model(shared_model(name), tp=tp)
+            model = load_model(model_path(name), tp=tp)
             batched = greedy_generate(model, PROMPTS, NEW_TOKENS, chunk_size=4)
             alone = [greedy_generate(model, [p], NEW_TOKENS) for p in PROMPTS]
             results[name] = (batched, alone)
@@ -75,7 +75,7 @@ def two_ranks(tmp_path_factory):
 
 @pytest.mark.parametrize("name", TP_MODELS)
 def test_tp2_greedy_tokens_equal_the_single_process_run(two_ranks, name):
-    ids, logits = greedy_generate(load_model(shared_model(name)), PROMPTS, NEW_TOKENS, chunk_size=4)
+    ids, logits = greedy_generate(load_model(model_path(name)), PROMPTS, NEW_TOKENS, chunk_size=4)
     (tp_ids, tp_logits), _ = two_ranks[0][name]
     assert tp_ids == ids
     # Not bit-equal: the row-parallel layers add two half-length dot products instead of one
@@ -103,7 +103,7 @@ def test_tp2_keeps_batch_invariance(two_ranks, name):
 # --- sharding without a process group: loading and the checks never communicate -----------------------
 @pytest.mark.parametrize("rank", [0, 1])
 def test_each_rank_loads_only_its_slice(rank):
-    path = shared_model("tiny-llama3-hd64")
+    path = model_path("tiny-llama3-hd64")
     full = load_model(path)
     shard = load_model(path, tp=TPGroup(rank, 2))
     c = full.config
@@ -128,7 +128,7 @@ def test_each_rank_loads_only_its_slice(rank):
 def test_qkv_biases_are_split_and_the_row_parallel_bias_is_whole():
     # Qwen2's q/k/v carry biases (split with their rows). tiny-qwen2 has 1 KV head, so build a 2-KV-head
     # config of the same family and check the parameter shapes a rank of 2 holds.
-    config = dataclasses.replace(ModelConfig.from_pretrained(shared_model("tiny-qwen2-hd128")),
+    config = dataclasses.replace(ModelConfig.from_pretrained(model_path("tiny-qwen2-hd128")),
                                  num_key_value_heads=2, o_proj_bias=True, mlp_bias=True)
     with torch.device("meta"):
         shard = LlamaForCausalLM(config, tp=TPGroup(1, 2))
@@ -142,14 +142,14 @@ def test_qkv_biases_are_split_and_the_row_parallel_bias_is_whole():
 def test_kv_heads_that_do_not_divide_are_refused():
     # tiny-qwen2 has 2 query heads and 1 KV head: pagedref does not replicate KV heads across ranks.
     with pytest.raises(ValueError, match=r"num_key_value_heads=1 is not divisible by tensor_parallel_size=2"):
-        load_model(shared_model("tiny-qwen2-hd128"), tp=TPGroup(0, 2))
+        load_model(model_path("tiny-qwen2-hd128"), tp=TPGroup(0, 2))
 
 
 @pytest.mark.parametrize(("field", "value", "tp_size"), [
     ("num_attention_heads", 8, 3), ("num_key_value_heads", 4, 8), ("intermediate_size", 170, 4),
 ])
 def test_every_split_dimension_is_checked(field, value, tp_size):
-    config = ModelConfig.from_pretrained(shared_model("stories260K"))  # 8 heads, 4 KV heads
+    config = ModelConfig.from_pretrained(model_path("stories260K"))  # 8 heads, 4 KV heads
     config = dataclasses.replace(config, **{field: value})
     with pytest.raises(ValueError, match=rf"{field}={value} is not divisible by tensor_parallel_size={tp_size}"):
         check_tensor_parallel_size(config, tp_size)
@@ -160,14 +160,14 @@ def test_every_split_dimension_is_checked(field, value, tp_size):
 @pytest.mark.parametrize(("tp_size", "error"), [(0, ValueError), (-2, ValueError), (True, TypeError), (2.0, TypeError)])
 def test_tensor_parallel_size_must_be_a_positive_int(tp_size, error):
     with pytest.raises(error, match="tensor_parallel_size"):
-        check_tensor_parallel_size(ModelConfig.from_pretrained(shared_model("stories260K")), tp_size)
+        check_tensor_parallel_size(ModelConfig.from_pretrained(model_path("stories260K")), tp_size)
 
 
 def test_a_shard_of_a_wrong_shape_names_the_whole_tensor(tmp_path):
     # The shape check is on the checkpoint's whole tensor, as without TP.
     from safetensors.torch import load_file, save_file
 
-    src = shared_model("stories260K")
+    src = model_path("stories260K")
     for f in src.iterdir():
         if f.is_file() and f.name != "model.safetensors":
             (tmp_path / f.name).write_bytes(f.read_bytes())
