@@ -130,7 +130,7 @@ def read_prompts_file(parser: argparse.ArgumentParser, path: Path) -> list[Promp
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as err:
-            parser.error(f"--prompts-file {where}: invalid JSON ({err.msg})")
+            parser.error(f"--prompts-file {where}:{err.colno}: invalid JSON at line {lineno}, column {err.colno} ({err.msg})")
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
             parser.error(f"--prompts-file {where}: each line must be an object with a string \"prompt\"")
         fields = {k: v for k, v in obj.items() if k != "prompt"}
@@ -179,18 +179,17 @@ def sampling_fields(args: argparse.Namespace, spec: PromptSpec, index: int, is_d
 
 
 def resolve_device(name: str, parser: argparse.ArgumentParser | None = None) -> str:
-    """auto -> "cuda" when torch sees a GPU and cupy (the kernels' runtime) works, else "cpu".
-    With a parser, an explicit "cuda" that torch cannot see is its usage error."""
-    if name == "auto":
-        from pagedref.kernels import gpu_available
+    """auto -> "cuda" when torch sees a GPU and cupy (the kernels' runtime) works, else "cpu" (the
+    engine's own rule: `pagedref.engine.llm.resolve_device`). With a parser, an explicit "cuda" that
+    torch cannot see is its usage error."""
+    from pagedref.engine.llm import resolve_device as engine_device
 
-        return "cuda" if gpu_available() else "cpu"
-    if name == "cuda" and parser is not None:
-        import torch
-
-        if not torch.cuda.is_available():
-            parser.error("--device cuda: torch sees no CUDA GPU")
-    return name
+    try:
+        return engine_device(name)
+    except ValueError as err:
+        if parser is None:
+            raise
+        parser.error(f"--device {name}: {err}")
 
 
 def resolve_model(parser: argparse.ArgumentParser, model: str | None) -> Path:
@@ -221,17 +220,6 @@ def fetch_from_hub(parser: argparse.ArgumentParser, repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as err:  # offline, no such repo, gated, ...: every one ends the same way
         parser.error(f"--model {repo_id}: could not fetch it from the Hugging Face Hub ({type(err).__name__}: {err}); {how}")
-
-
-def resolve_dtype(name: str, device: str, model_dir: Path) -> str:
-    """auto -> float32 on the CPU (the numerics contract is stated in float32), else the checkpoint's dtype."""
-    if name != "auto":
-        return name
-    if device == "cpu":
-        return "float32"
-    from pagedref.models import ModelConfig
-
-    return str(ModelConfig.from_pretrained(model_dir).dtype).removeprefix("torch.")
 
 
 # ----------------------------------------------------------------------------------------------- output
@@ -316,7 +304,6 @@ def main(argv: list[str] | None = None) -> int:
     specs, is_default = gather_prompts(parser, args)
     model_dir = resolve_model(parser, args.model)
     device = resolve_device(args.device, parser)
-    dtype = resolve_dtype(args.dtype, device, model_dir)
 
     from pagedref import LLM, SamplingParams
 
@@ -328,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{spec.where}: {err}")
     try:  # the engine refuses bad settings and prompts (too long, empty) before any work is scheduled
         llm = LLM(
-            model=str(model_dir), device=device, dtype=dtype, block_size=args.block_size,
+            model=str(model_dir), device=device, dtype=args.dtype, block_size=args.block_size,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
             enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -339,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.perf_counter() - start
     except (TypeError, ValueError, FileNotFoundError) as err:
         parser.error(str(err))
-    summary = summarize(llm.get_stats(), len(specs), elapsed)
+    stats = llm.get_stats()
+    dtype = stats["dtype"]  # "auto" as the engine resolved it
+    summary = summarize(stats, len(specs), elapsed)
     llm.close()  # frees the KV cache; with --tensor-parallel-size, stops the worker processes
     if args.json:
         meta = {"model": str(model_dir), "device": device, "dtype": dtype}

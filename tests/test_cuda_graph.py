@@ -81,8 +81,8 @@ def test_unchecked_lasts_only_for_its_block():
 
 def test_the_flag_changes_nothing_on_the_cpu():
     prompts, greedy = ["Once upon a time"], SamplingParams(temperature=0, max_tokens=8)
-    eager = LLM(model_path("stories260K"), num_kv_blocks=64, enforce_eager=True)
-    graphs = LLM(model_path("stories260K"), num_kv_blocks=64)  # enforce_eager=False: the default
+    eager = LLM(model_path("stories260K"), device="cpu", num_kv_blocks=64, enforce_eager=True)
+    graphs = LLM(model_path("stories260K"), device="cpu", num_kv_blocks=64)  # enforce_eager=False: the default
     assert graphs.llm_engine.runner.graphs is None and graphs.llm_engine.runner.piecewise is None
     assert [o.outputs[0].token_ids for o in graphs.generate(prompts, greedy)] == \
         [o.outputs[0].token_ids for o in eager.generate(prompts, greedy)]
@@ -93,7 +93,7 @@ def test_the_flag_changes_nothing_on_the_cpu():
 @pytest.mark.parametrize("flag", ["max_seq_len_to_capture", "max_capture_size"])
 def test_capture_limits_must_be_positive(flag):
     with pytest.raises(ValueError, match=f"{flag} must be at least 1"):
-        LLM(model_path("stories260K"), num_kv_blocks=64, **{flag: 0})
+        LLM(model_path("stories260K"), device="cpu", num_kv_blocks=64, **{flag: 0})
 
 
 class PaddedReference(ReferenceBackend):
@@ -167,8 +167,8 @@ def test_the_replay_data_flow_on_the_cpu_gives_the_eager_bits(max_num_seqs):
     prompts = ["Once upon a time", "Lily and Tom went to the park", "The little dog", "One day, a girl"]
     kw = dict(num_kv_blocks=17, block_size=8, max_model_len=128, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=16, record_logits=True)
-    eager = LLM(model_path(name), **kw).generate(prompts, greedy)
-    llm = LLM(model_path(name), **kw)
+    eager = LLM(model_path(name), device="cpu", **kw).generate(prompts, greedy)
+    llm = LLM(model_path(name), device="cpu", **kw)
     runner = llm.llm_engine.runner
     num_blocks = kw["num_kv_blocks"]  # the managed pool; the scratch blocks follow it
     runner.kv_caches = allocate_kv_caches(runner.model.config, num_blocks + num_scratch_blocks(max_num_seqs, 8), 8,

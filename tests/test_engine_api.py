@@ -19,7 +19,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(STORIES, max_model_len=128, num_kv_blocks=64, record_logits=True)
+    return LLM(STORIES, device="cpu", max_model_len=128, num_kv_blocks=64, record_logits=True)
 
 
 def assert_idle(llm: LLM) -> None:
@@ -50,7 +50,7 @@ def test_a_single_prompt_and_default_sampling_params(llm):
 
 def test_eos_ids_of_generation_config_stop_unless_ignore_eos():
     # 'One day, a big bear said "Hello!"' ends its story (token 1) after 172 generated tokens.
-    llm = LLM(STORIES, num_kv_blocks=64)
+    llm = LLM(STORIES, device="cpu", num_kv_blocks=64)
     prompt = 'One day, a big bear said "Hello!"'
     stop = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=None))[0].outputs[0]
     assert stop.finish_reason == "stop" and stop.token_ids[-1] == 1 and len(stop.token_ids) == 173
@@ -99,7 +99,7 @@ def test_logprobs_are_those_of_the_recorded_logits(llm):
 
 def test_unseeded_sampling_is_reproducible_from_the_llm_seed():
     params = SamplingParams(temperature=1.0, max_tokens=10)
-    runs = [LLM(STORIES, num_kv_blocks=64, seed=s).generate(["Lily", "Tom"], params) for s in (0, 0, 1)]
+    runs = [LLM(STORIES, device="cpu", num_kv_blocks=64, seed=s).generate(["Lily", "Tom"], params) for s in (0, 0, 1)]
     ids = [[o.outputs[0].token_ids for o in run] for run in runs]
     assert ids[0] == ids[1] and ids[0] != ids[2]
 
@@ -164,8 +164,8 @@ def test_stats_report_the_pool_and_the_run(llm):
 def test_the_contiguous_baseline_gives_the_same_tokens_with_more_memory_reserved():
     prompts = ["Once upon a time", "Lily and Tom", "The little dog"]
     params = SamplingParams(temperature=0, max_tokens=20)
-    paged = LLM(STORIES, max_model_len=128, num_kv_blocks=64)
-    contiguous = LLM(STORIES, max_model_len=128, num_kv_blocks=64, kv_cache="contiguous")
+    paged = LLM(STORIES, device="cpu", max_model_len=128, num_kv_blocks=64)
+    contiguous = LLM(STORIES, device="cpu", max_model_len=128, num_kv_blocks=64, kv_cache="contiguous")
     want = [o.outputs[0].token_ids for o in paged.generate(prompts, params)]
     assert [o.outputs[0].token_ids for o in contiguous.generate(prompts, params)] == want
     # each request reserved max_model_len = 128 slots for at most 20 + 6 tokens
@@ -178,10 +178,41 @@ def test_the_contiguous_baseline_gives_the_same_tokens_with_more_memory_reserved
 
 
 def test_close_releases_the_engine():
-    llm = LLM(STORIES, num_kv_blocks=40)
+    llm = LLM(STORIES, device="cpu", num_kv_blocks=40)
     llm.close()
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate("Lily")
+
+
+def test_the_bundled_model_runs_with_vllms_defaults():
+    import pagedref
+
+    llm = LLM(model=pagedref.DEFAULT_MODEL)  # device "auto", dtype "auto": the CPU and float32 without a GPU
+    out = llm.generate("The block table", SamplingParams(temperature=0, max_tokens=4))[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.text
+    assert (llm.get_stats()["device"], llm.get_stats()["dtype"]) == ("cpu", "float32")
+
+
+def test_device_auto_takes_cuda_when_a_gpu_and_cupy_are_there(monkeypatch):
+    import pagedref.kernels
+    from pagedref.engine.llm import resolve_device
+
+    monkeypatch.setattr(pagedref.kernels, "gpu_available", lambda: True)
+    assert resolve_device("auto") == "cuda"
+    monkeypatch.setattr(pagedref.kernels, "gpu_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+
+
+def test_logprobs_are_capped_by_max_logprobs_as_in_vllm():
+    llm = LLM(STORIES, device="cpu", num_kv_blocks=40)
+    with pytest.raises(ValueError, match="logprobs=21 is more than max_logprobs=20"):
+        llm.generate("Lily", SamplingParams(max_tokens=2, logprobs=21))
+    top = llm.generate("Lily", SamplingParams(temperature=0, max_tokens=2, logprobs=20))[0].outputs[0].logprobs
+    assert all(len(lp) in (20, 21) for lp in top)  # the top 20, and the sampled token if it is not among them
+    wide = LLM(STORIES, device="cpu", num_kv_blocks=40, max_logprobs=30)
+    assert len(wide.generate("Lily", SamplingParams(temperature=0, max_tokens=1, logprobs=25))[0].outputs[0].logprobs[0]) >= 25
+    with pytest.raises(ValueError, match="max_logprobs"):
+        LLM(STORIES, device="cpu", num_kv_blocks=40, max_logprobs=-1)
 
 
 # --- KV pool sizing -------------------------------------------------------------------------------
@@ -190,19 +221,22 @@ def test_cpu_pool_from_a_byte_budget_or_exact_blocks():
 
     block = kv_block_bytes(ModelConfig.from_pretrained(STORIES), 16, torch.float32)
     assert block == 2 * 5 * 16 * 4 * 8 * 4
-    assert LLM(STORIES, cpu_kv_cache_bytes=100 * block + 7).num_kv_blocks == 100
-    assert LLM(STORIES, cpu_kv_cache_bytes=10**12, max_num_seqs=3).num_kv_blocks == 3 * 32  # capped: never usable
-    assert LLM(STORIES, num_kv_blocks=33).num_kv_blocks == 33
+    assert LLM(STORIES, device="cpu", cpu_kv_cache_bytes=100 * block + 7).num_kv_blocks == 100
+    assert LLM(STORIES, device="cpu", cpu_kv_cache_bytes=10**12, max_num_seqs=3).num_kv_blocks == 3 * 32  # capped: never usable
+    assert LLM(STORIES, device="cpu", num_kv_blocks=33).num_kv_blocks == 33
     with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len=512"):
-        LLM(STORIES, num_kv_blocks=31)
+        LLM(STORIES, device="cpu", num_kv_blocks=31)
     with pytest.raises(ValueError, match="cpu_kv_cache_bytes"):
-        LLM(STORIES, cpu_kv_cache_bytes=31 * block)
+        LLM(STORIES, device="cpu", cpu_kv_cache_bytes=31 * block)
 
 
 # --- bad input: refused before any work, with an error that names it -------------------------------
 @pytest.mark.parametrize("prompts, params, error, match", [
     ([], None, ValueError, "prompts is empty"),
     ([{"prompt_token_ids": []}], None, ValueError, "no tokens"),
+    ([""], None, ValueError, "prompt is empty"),
+    ([{"prompt": ""}], None, ValueError, "prompt is empty"),
+    (["a"], [SamplingParams(logprobs=21)], ValueError, "max_logprobs=20"),
     ([{"prompt_token_ids": list(range(3, 3 + 129))}], None, ValueError, "max_model_len=128"),
     ([{"prompt_token_ids": [1, 600]}], None, ValueError, "vocabulary"),
     ([{"prompt_token_ids": [1, "a"]}], None, TypeError, "prompt_token_ids"),
@@ -231,7 +265,7 @@ def test_bad_requests_are_refused_before_any_work(llm, prompts, params, error, m
 ])
 def test_bad_engine_arguments_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        LLM(STORIES, **kwargs)
+        LLM(STORIES, **{"device": "cpu", **kwargs})
 
 
 def model_copy(where, drop: str | None = None, config: dict | None = None):

@@ -48,7 +48,7 @@ def check(llm, prompt_ids, beam_width, max_tokens, length_penalty=1.0):
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(model_path("stories260K"), num_kv_blocks=64)
+    return LLM(model_path("stories260K"), device="cpu", num_kv_blocks=64)
 
 
 def test_beams_cross_a_block_boundary_sharing_their_prefix(llm):
@@ -70,7 +70,7 @@ def test_a_beam_that_ends_the_story_is_complete(llm):
 
 def test_beam_search_in_a_pool_so_small_that_idle_beams_are_preempted():
     # 4 blocks: one sequence of max_model_len. 4 beams of 17+ tokens need 5 (4 private last blocks).
-    llm = LLM(model_path("stories260K"), max_model_len=64, num_kv_blocks=4, max_num_batched_tokens=16)
+    llm = LLM(model_path("stories260K"), device="cpu", max_model_len=64, num_kv_blocks=4, max_num_batched_tokens=16)
     prompt = llm.get_tokenizer().encode("Once upon a time, there was a little girl named Lily. She")
     check(llm, prompt, beam_width=4, max_tokens=8)
     assert llm.get_stats()["num_preemptions"] > 0

@@ -37,6 +37,16 @@ def test_the_pool_is_sized_from_gpu_memory_utilization_after_profiling():
     assert free > 0.5 * total, "close() must give the KV cache back"
 
 
+def test_the_seed_style_call_that_names_no_device_runs_on_cuda():
+    # vLLM's defaults: device "auto" takes the GPU, dtype "auto" the checkpoint's dtype (float32 here).
+    llm = LLM(model=str(model_path(MODEL)), tensor_parallel_size=1, gpu_memory_utilization=0.5,
+              enable_chunked_prefill=True, max_num_batched_tokens=2048, max_model_len=512)
+    stats = llm.get_stats()
+    assert (stats["device"], stats["dtype"]) == ("cuda", "float32"), stats
+    assert llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids == CASES[0]["greedy_ids"]
+    llm.close()
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_in_a_tiny_pool_keeps_every_request_right(mode):
     # 512 / 16 = 32 blocks hold one sequence of max_model_len; 4 requests of up to 364 tokens need ~45.

@@ -17,7 +17,9 @@ from pagedref import LLM, SamplingParams
 
 MAX_MODEL_LEN = 64
 STORY = "Once upon a time, there was a little girl named Lily. She loved to play outside"
-PROMPTS = [c["prompt"] for c in read_reference("stories260K", "llama2c_reference.json")["cases"]] + [
+# llama2.c's empty prompt is its BOS token alone: an empty text is refused (as vLLM does), its ids are not.
+PROMPTS = [c["prompt"] or {"prompt_token_ids": c["prompt_ids"]}
+           for c in read_reference("stories260K", "llama2c_reference.json")["cases"]] + [
     STORY + " in the park.",  # these two share 2 full blocks with each other: prefix-cache hits in one batch
     STORY + " with her dog.",
 ]
@@ -27,7 +29,7 @@ PARAMS[5] = SamplingParams(n=2, temperature=1.0, top_k=20, seed=3, max_tokens=24
 
 
 def make_llm(**kw) -> LLM:
-    return LLM(model_path("stories260K"), max_model_len=MAX_MODEL_LEN, record_logits=True, **kw)
+    return LLM(model_path("stories260K"), device="cpu", max_model_len=MAX_MODEL_LEN, record_logits=True, **kw)
 
 
 def completions(outputs):

@@ -96,12 +96,13 @@ def test_seed_makes_sampling_reproducible(capsys):
 def test_stories260k_reproduces_llama2c_reference_text(capsys):
     model = model_path("stories260K")
     ref = json.loads((model / "llama2c_reference.json").read_text())
-    prompts = [c["prompt"] for c in ref["cases"]]
+    cases = [c for c in ref["cases"] if c["prompt"]]  # an empty text is refused (the BOS-only case: test_model_stories)
     args = ["--model", str(model), "--device", "cpu", "--dtype", "float32", "--temperature", "0", "--max-tokens", "512"]
-    for p in prompts:
-        args += ["--prompt", p]
+    for c in cases:
+        args += ["--prompt", c["prompt"]]
     doc = run_json(capsys, *args)
-    for case, req in zip(ref["cases"], doc["requests"]):
+    assert len(doc["requests"]) == len(cases) == 5
+    for case, req in zip(cases, doc["requests"]):
         assert req["prompt_token_ids"] == case["prompt_ids"]
         (c,) = req["completions"]
         bos = case["first_bos_index"]
@@ -166,7 +167,8 @@ def test_bad_prompts_files_are_named(tmp_path, capsys):
     assert "no prompts" in usage_error(capsys, "--prompts-file", str(empty))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"prompt": "x",\n')
-    assert f"{bad}:2" in usage_error(capsys, "--prompts-file", str(bad))
+    err = usage_error(capsys, "--prompts-file", str(bad))
+    assert f"{bad}:2:" in err and "line 2, column 16" in err  # where the JSON breaks: line and column
     bad.write_text('{"prompt": "ok", "temprature": 0.5}\n')
     err = usage_error(capsys, "--prompts-file", str(bad))
     assert f"{bad}:1" in err and "temprature" in err

@@ -38,7 +38,7 @@ def no_hang(request):
 
 def run(name: str, tp: int, **kw):
     """Greedy tokens and logits of PROMPTS at tensor_parallel_size=tp; the LLM is closed after."""
-    llm = LLM(model_path(name), max_model_len=32, record_logits=True, tensor_parallel_size=tp, **kw)
+    llm = LLM(model_path(name), device="cpu", max_model_len=32, record_logits=True, tensor_parallel_size=tp, **kw)
     try:
         outputs = llm.generate(PROMPTS, GREEDY)
         stats = llm.get_stats()
@@ -67,7 +67,7 @@ def test_tp2_greedy_tokens_equal_tp1(name):
 def test_tp2_keeps_the_engine_batch_invariant():
     # The CPU numerics contract at TP=2: a request's logits, batched with preemption by swap and
     # chunked prefill, are bit-identical to the same request run alone.
-    llm = LLM(model_path("stories260K"), max_model_len=32, record_logits=True, tensor_parallel_size=2,
+    llm = LLM(model_path("stories260K"), device="cpu", max_model_len=32, record_logits=True, tensor_parallel_size=2,
               num_kv_blocks=9, block_size=4, preemption_mode="swap", max_num_batched_tokens=8)
     try:
         batched = llm.generate(PROMPTS, GREEDY)
@@ -85,7 +85,7 @@ def test_copy_on_write_reaches_every_rank():
     params = SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
     outs = []
     for tp in (1, 2):
-        llm = LLM(model_path("stories260K"), max_model_len=64, record_logits=True, tensor_parallel_size=tp,
+        llm = LLM(model_path("stories260K"), device="cpu", max_model_len=64, record_logits=True, tensor_parallel_size=tp,
                   num_kv_blocks=32, block_size=4)
         try:
             outs.append([(c.token_ids, c.logits) for c in llm.generate(PROMPTS[1], params)[0].outputs])
@@ -97,23 +97,23 @@ def test_copy_on_write_reaches_every_rank():
 def test_kv_heads_that_do_not_divide_fail_before_any_process_starts():
     # tiny-qwen2-hd128: 2 query heads, 1 KV head. pagedref refuses (vLLM would replicate the KV head).
     with pytest.raises(ValueError, match="num_key_value_heads=1 is not divisible by tensor_parallel_size=2"):
-        LLM(model_path("tiny-qwen2-hd128"), tensor_parallel_size=2)
+        LLM(model_path("tiny-qwen2-hd128"), device="cpu", tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize(("value", "error"), [(0, ValueError), ("2", TypeError)])
 def test_tensor_parallel_size_is_checked(value, error):
     with pytest.raises(error, match="tensor_parallel_size"):
-        LLM(model_path("stories260K"), tensor_parallel_size=value)
+        LLM(model_path("stories260K"), device="cpu", tensor_parallel_size=value)
 
 
 def test_an_error_after_the_workers_started_stops_them():
     # The pool is checked after the workers have loaded their shards: 1 block cannot hold a sequence.
     with pytest.raises(ValueError, match="cannot hold one sequence"):
-        LLM(model_path("stories260K"), max_model_len=64, num_kv_blocks=1, tensor_parallel_size=2)
+        LLM(model_path("stories260K"), device="cpu", max_model_len=64, num_kv_blocks=1, tensor_parallel_size=2)
 
 
 def test_close_stops_and_reaps_the_workers():
-    llm = LLM(model_path("stories260K"), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
+    llm = LLM(model_path("stories260K"), device="cpu", max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
     procs = llm.llm_engine.runner.workers.procs
     assert len(procs) == 1 and procs[0].is_alive()
     llm.generate(PROMPTS[1], GREEDY)
@@ -125,16 +125,16 @@ def test_close_stops_and_reaps_the_workers():
 
 
 def test_only_one_tensor_parallel_llm_per_process():
-    llm = LLM(model_path("stories260K"), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
+    llm = LLM(model_path("stories260K"), device="cpu", max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
     try:
         with pytest.raises(RuntimeError, match="close it first"):
-            LLM(model_path("stories260K"), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
+            LLM(model_path("stories260K"), device="cpu", max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
     finally:
         llm.close()
 
 
 def test_a_killed_worker_fails_the_engine_and_nothing_is_left():
-    llm = LLM(model_path("stories260K"), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
+    llm = LLM(model_path("stories260K"), device="cpu", max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
     engine = llm.llm_engine
     engine.add_request("r", PROMPTS[0], GREEDY)
     engine.step()  # the prefill, on both ranks
@@ -165,7 +165,7 @@ def failing_worker_main(*args):
 
 def test_an_error_in_a_worker_fails_the_engine_with_its_traceback(monkeypatch):
     monkeypatch.setattr(tp_worker, "worker_main", failing_worker_main)  # spawn pickles the target by name
-    llm = LLM(model_path("stories260K"), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
+    llm = LLM(model_path("stories260K"), device="cpu", max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
     with pytest.raises(TPWorkerError, match="worker rank 1 failed: Traceback") as info:
         llm.generate(PROMPTS, GREEDY)
     assert "FloatingPointError: injected failure in the worker's third step" in str(info.value)
@@ -188,7 +188,7 @@ import json, sys
 import torch.distributed as dist
 from pagedref import LLM, SamplingParams
 
-llm = LLM(sys.argv[1], max_model_len=32, num_kv_blocks=16, tensor_parallel_size=2)
+llm = LLM(sys.argv[1], device="cpu", max_model_len=32, num_kv_blocks=16, tensor_parallel_size=2)
 # Rank 1 never gets here: its LLM(...) served rank 0 until close(), then ended the process.
 outputs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
 print("RANK", dist.get_rank(), "OF", dist.get_world_size(), "SPAWNED", len(llm.llm_engine.runner.workers.procs))
@@ -213,7 +213,7 @@ def test_under_torchrun_rank0_drives_and_rank1_serves(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RANK 0 OF 2 SPAWNED 0" in proc.stdout.splitlines()  # torchrun's rank 1 served: none spawned
     [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("TOKENS ")]
-    llm = LLM(name, max_model_len=32, num_kv_blocks=16)
+    llm = LLM(name, device="cpu", max_model_len=32, num_kv_blocks=16)
     want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     llm.close()
     assert json.loads(line.removeprefix("TOKENS ")) == want

@@ -48,7 +48,7 @@ class LLMEngine:
     """The step loop over one model, one KV pool, one scheduler (vLLM's `LLMEngine` shape)."""
 
     def __init__(self, model, tokenizer, runner: ModelRunner, scheduler: Scheduler, max_model_len: int,
-                 seed: int = 0, record_logits: bool = False) -> None:
+                 seed: int = 0, record_logits: bool = False, max_logprobs: int = 20) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.runner = runner
@@ -58,6 +58,7 @@ class LLMEngine:
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
         self.record_logits = record_logits
+        self.max_logprobs = max_logprobs
         self.requests: dict[str, SequenceGroup] = {}
         self._seq_ids = itertools.count()
         self._rng = random.Random(seed)  # seeds of unseeded sequences: runs are reproducible too
@@ -67,6 +68,8 @@ class LLMEngine:
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """A prompt (text, or {"prompt_token_ids": [...]} / {"prompt": text}) -> (text, token ids), checked."""
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty: give at least one character (or prompt_token_ids)")
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
@@ -74,6 +77,8 @@ class LLMEngine:
                 raise TypeError(f"prompt_token_ids must be a list of ints, got {ids!r}")
             ids = list(ids)
         elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            if not prompt["prompt"]:
+                raise ValueError("the prompt is empty: give at least one character (or prompt_token_ids)")
             text, ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         else:
             raise TypeError(f"a prompt is a string or a dict with 'prompt_token_ids' (or 'prompt'), got {prompt!r}")
@@ -89,6 +94,9 @@ class LLMEngine:
     def check_params(self, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} is more than max_logprobs={self.max_logprobs} "
+                             "(an LLM argument, 20 by default as in vLLM)")
         if params.n > 1 and isinstance(self.block_manager, ContiguousBlockManager):
             raise ValueError(f"n={params.n} needs shared blocks: kv_cache='contiguous' (the stage 1 baseline) has none")
 
@@ -304,6 +312,8 @@ class LLMEngine:
             num_cuda_graph_replays=decode_replays - self._replays_base[0],  # decode steps, one graph each
             num_piecewise_graph_replays=piecewise_replays - self._replays_base[1],  # other steps, in pieces
             block_size=self.block_manager.block_size,
+            device=self.runner.device.type,  # where the engine runs ("auto" resolved)
+            dtype=str(self.model.lm_head.weight.dtype).removeprefix("torch."),
         )
         return stats
 
@@ -331,7 +341,11 @@ def decode_output(tokenizer, seq: Sequence, num_tokens: int, status: SequenceSta
 class LLM:
     """Offline inference: `LLM(model=PATH).generate(prompts, SamplingParams(...))` (vLLM's `LLM`).
 
-    device "cpu" runs the reference backend with batch-invariant numerics; "cuda" the stage 5 kernels.
+    device "auto" (the default, as vLLM's) runs on CUDA when torch sees a GPU and CuPy works, else on
+    the CPU; "cpu" runs the reference backend with batch-invariant numerics; "cuda" the stage 5 kernels.
+    dtype "auto" is the checkpoint's dtype on CUDA and float32 on the CPU (where the numerics contract
+    is stated). `get_stats()` says which device and dtype the engine runs on. `max_logprobs` (20, as
+    vLLM's) caps the logprobs a request may ask for.
     kv_cache "paged" (the default) or "contiguous" (stage 1's max-length reservations, the baseline
     of the serving benchmark). preemption_mode "recompute" (default) or "swap" (into `swap_space`
     GiB of CPU memory). The KV pool is exactly `num_kv_blocks` blocks when given; otherwise sized
@@ -359,8 +373,8 @@ class LLM:
     def __init__(
         self,
         model: str | Path,
-        device: str = "cpu",
-        dtype: str | torch.dtype = "float32",
+        device: str = "auto",
+        dtype: str | torch.dtype = "auto",
         block_size: int = 16,
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
@@ -382,13 +396,13 @@ class LLM:
         max_seq_len_to_capture: int = 8192,
         max_capture_size: int = 2048,
         prefill_first: bool = False,
+        max_logprobs: int = 20,
     ) -> None:
         from pagedref.backends import get_backend
         from pagedref.distributed import TPGroup, check_tensor_parallel_size
         from pagedref.models import ModelConfig, load_model, load_tokenizer, resolve_dtype
 
-        device = _check_device(device)
-        torch_dtype = resolve_dtype(dtype)
+        device = resolve_device(device)
         _check_positive("block_size", block_size)
         max_num_seqs = 256 if max_num_seqs is None else max_num_seqs
         _check_positive("max_num_seqs", max_num_seqs)
@@ -407,8 +421,11 @@ class LLM:
             raise ValueError(f"swap_space must be >= 0 (GiB), got {swap_space}")
         _check_positive("max_seq_len_to_capture", max_seq_len_to_capture)
         _check_positive("max_capture_size", max_capture_size)
+        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an int >= 0, got {max_logprobs!r}")
 
         config = ModelConfig.from_pretrained(model)  # config.json, architecture: before anything heavy
+        torch_dtype = resolve_dtype(("float32" if device == "cpu" else config.dtype) if dtype == "auto" else dtype)
         check_tensor_parallel_size(config, tensor_parallel_size)
         tp_size = tensor_parallel_size
         max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len
@@ -470,7 +487,8 @@ class LLM:
                 graphs = None if enforce_eager or device != "cuda" else CUDAGraphConfig(
                     max_num_seqs, max_model_len, max_seq_len_to_capture, min(max_capture_size, max_num_batched_tokens))
                 runner = ModelRunner(*runner_args, graphs=graphs)
-            self.llm_engine = LLMEngine(weights, tokenizer, runner, scheduler, max_model_len, seed, record_logits)
+            self.llm_engine = LLMEngine(weights, tokenizer, runner, scheduler, max_model_len, seed, record_logits,
+                                        max_logprobs)
             self.num_kv_blocks = num_kv_blocks
             self.kv_cache = kv_cache
         except BaseException:
@@ -568,9 +586,15 @@ def _check_positive(name: str, value) -> None:
         raise ValueError(f"{name} must be at least 1, got {value}")
 
 
-def _check_device(device: str) -> str:
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" when torch sees a GPU and cupy (the kernels' runtime) works, else "cpu";
+    "cpu" or "cuda[:N]" as given, once checked."""
+    if device == "auto":
+        from pagedref.kernels import gpu_available
+
+        return "cuda" if gpu_available() else "cpu"
     if not isinstance(device, str) or not (device == "cpu" or device.split(":")[0] == "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     if device != "cpu" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but torch sees no CUDA GPU")
     return device

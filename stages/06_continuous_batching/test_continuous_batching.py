@@ -153,11 +153,11 @@ def test_step7_a_sequence_already_scheduled_in_this_step_is_never_the_victim():
 def test_step8_on_a_real_model_every_request_gets_exactly_the_logits_it_gets_alone():
     prompts = ["Once upon a time", "Lily and Tom went to the park", "The little dog was sad because", "One day"]
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(4)]
-    solo = LLM(DEFAULT_MODEL, max_model_len=64, num_kv_blocks=8, record_logits=True)  # the reference, one at a time
+    solo = LLM(DEFAULT_MODEL, device="cpu", max_model_len=64, num_kv_blocks=8, record_logits=True)  # the reference, one at a time
     alone = [solo.generate(p, sp)[0].outputs[0] for p, sp in zip(prompts, params)]
     # Your scheduler and block manager inside the engine. 5 blocks for 4 requests of up to 3 blocks
     # each: they join, leave and are preempted as they go.
-    llm = LLM(DEFAULT_MODEL, max_model_len=64, num_kv_blocks=5, record_logits=True, max_num_batched_tokens=16,
+    llm = LLM(DEFAULT_MODEL, device="cpu", max_model_len=64, num_kv_blocks=5, record_logits=True, max_num_batched_tokens=16,
               scheduler_cls=sched_mod.Scheduler, block_manager_cls=bm_mod.BlockManager)
     together = [o.outputs[0] for o in llm.generate(prompts, params)]
     assert llm.get_stats()["num_preemptions"] > 0 and llm.get_stats()["peak_num_running_seqs"] > 1

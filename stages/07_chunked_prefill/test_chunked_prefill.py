@@ -143,11 +143,11 @@ def test_step6_one_step_one_metadata_for_decodes_and_chunks_together():
 def test_step7_on_a_real_model_every_budget_gives_the_unchunked_logits_bit_for_bit():
     prompts = ["Once upon a time, there was a little girl named Lily.", "The little dog was sad because", "Tom"]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    whole = LLM(DEFAULT_MODEL, max_model_len=64, num_kv_blocks=16, record_logits=True,  # the reference, unchunked
+    whole = LLM(DEFAULT_MODEL, device="cpu", max_model_len=64, num_kv_blocks=16, record_logits=True,  # the reference, unchunked
                 enable_chunked_prefill=False, max_num_batched_tokens=64)
     want = [o.outputs[0] for o in whole.generate(prompts, params)]
     for budget in (1, 7, 64):
-        llm = LLM(DEFAULT_MODEL, max_model_len=64, num_kv_blocks=16, record_logits=True, max_num_batched_tokens=budget,
+        llm = LLM(DEFAULT_MODEL, device="cpu", max_model_len=64, num_kv_blocks=16, record_logits=True, max_num_batched_tokens=budget,
                   scheduler_cls=sched_mod.Scheduler)
         for got, ref, prompt in zip((o.outputs[0] for o in llm.generate(prompts, params)), want, prompts):
             assert got.token_ids == ref.token_ids and torch.equal(got.logits, ref.logits), \
