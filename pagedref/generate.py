@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Offline batched generation with pagedref (vLLM's flags). "
         "With no --model: the small model embedded in the package, on its default prompts.",
     )
-    p.add_argument("--model", default=None, help="a local Hugging Face model directory, or a Hub id (needs huggingface_hub, online)")
+    add_engine_args(p)
     src = p.add_argument_group("prompts")
     src.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     src.add_argument("--prompts-file", type=Path, default=None, help=".txt (one prompt a line) or .jsonl ({\"prompt\": ..., sampling fields})")
@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int, default=None, help="-1 = off (default)")
     s.add_argument("-n", type=int, default=None, help="completions per prompt (default 1); they share the prompt's blocks")
     s.add_argument("--seed", type=int, default=0, help="request i is seeded with seed + 1000 i: reproducible whatever the batch")
+    p.add_argument("--json", action="store_true", help="print one JSON document (completions and summary) instead of text")
+    return p
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """--model and the engine's flags (`LLM(...)`'s, vLLM's names): this command's and `pagedref.serve`'s."""
+    p.add_argument("--model", default=None, help="a local Hugging Face model directory, or a Hub id (needs huggingface_hub, online)")
     e = p.add_argument_group("engine (LLM)")
     e.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto = cuda when a GPU and cupy are present")
     e.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto", help="auto = float32 on the CPU, the checkpoint's on CUDA")
@@ -77,16 +84,37 @@ def build_parser() -> argparse.ArgumentParser:
                         "the CPU and tensor parallelism always run eagerly)")
     e.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N processes (N GPUs on cuda; gloo processes on the CPU)")
-    p.add_argument("--json", action="store_true", help="print one JSON document (completions and summary) instead of text")
-    return p
+    e.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="the KV pool in blocks, instead of sizing it from memory (vLLM's --num-gpu-blocks-override; "
+                        "the serving benchmarks fix it so that every system gets the same pool)")
+
+
+def check_engine_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The engine flags' values the engine would refuse, refused here with the flag's own name."""
+    positive = {"--block-size": args.block_size, "--max-model-len": args.max_model_len, "--max-num-seqs": args.max_num_seqs,
+                "--max-num-batched-tokens": args.max_num_batched_tokens,
+                "--tensor-parallel-size": args.tensor_parallel_size, "--num-kv-blocks": args.num_kv_blocks}
+    for flag, value in positive.items():
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        parser.error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+
+
+def engine_kwargs(args: argparse.Namespace, model_dir: Path, device: str) -> dict[str, Any]:
+    """`LLM(...)`'s keywords from the engine flags (`add_engine_args`), with the model and device resolved."""
+    return dict(model=str(model_dir), device=device, dtype=args.dtype, block_size=args.block_size,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
+                enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
+                num_kv_blocks=args.num_kv_blocks, tensor_parallel_size=args.tensor_parallel_size,
+                enforce_eager=args.enforce_eager)
 
 
 def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Flag values the engine would refuse, refused here with the flag's own name."""
-    positive = {"--max-tokens": args.max_tokens, "-n": args.n, "--block-size": args.block_size,
-                "--max-model-len": args.max_model_len, "--max-num-seqs": args.max_num_seqs,
-                "--max-num-batched-tokens": args.max_num_batched_tokens, "--tensor-parallel-size": args.tensor_parallel_size}
-    for flag, value in positive.items():
+    check_engine_ranges(parser, args)
+    for flag, value in {"--max-tokens": args.max_tokens, "-n": args.n}.items():
         if value is not None and value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
     if args.temperature is not None and args.temperature < 0:
@@ -95,8 +123,6 @@ def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.top_k is not None and args.top_k < 1 and args.top_k != -1:
         parser.error(f"--top-k must be -1 (off) or >= 1, got {args.top_k}")
-    if not 0 < args.gpu_memory_utilization <= 1:
-        parser.error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
 
 
 # -------------------------------------------------------------------------------------------- prompts
@@ -314,13 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         except (TypeError, ValueError) as err:
             parser.error(f"{spec.where}: {err}")
     try:  # the engine refuses bad settings and prompts (too long, empty) before any work is scheduled
-        llm = LLM(
-            model=str(model_dir), device=device, dtype=args.dtype, block_size=args.block_size,
-            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
-            enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
-            seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-        )
+        llm = LLM(**engine_kwargs(args, model_dir, device), seed=args.seed)
         start = time.perf_counter()
         outputs = llm.generate([s.prompt for s in specs], params, use_tqdm=True)
         elapsed = time.perf_counter() - start
