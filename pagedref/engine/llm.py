@@ -139,6 +139,21 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return sum(1 for g in self.requests.values() if not g.is_finished)
 
+    def get_num_requests_by_state(self) -> dict[str, int]:
+        """Unfinished requests by where they are (a server's /metrics gauges, vLLM's): "running" (a sequence
+        holds blocks in the device pool), "swapped" (in the CPU swap pool), "waiting" (queued, or preempted
+        by recompute). Read-only."""
+        counts = {"running": 0, "swapped": 0, "waiting": 0}
+        for group in self.requests.values():
+            states = {s.status for s in group.seqs}
+            if SequenceStatus.RUNNING in states:
+                counts["running"] += 1
+            elif SequenceStatus.SWAPPED in states:
+                counts["swapped"] += 1
+            elif SequenceStatus.WAITING in states:
+                counts["waiting"] += 1
+        return counts
+
     # --- the step -------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One iteration: schedule, run the model, sample, update. Returns the requests that advanced
