@@ -10,7 +10,7 @@ an unknown sampling field or a model that cannot be found is an argparse-style e
 (exit status 2), raised before a weight is loaded.
 
     python -m pagedref.generate                          # the embedded default model, its default prompts
-    python -m pagedref.generate --model ../shared/models/stories260K --prompt "Once upon a time" \\
+    python -m pagedref.generate --model tests/models/stories260K --prompt "Once upon a time" \\
         --temperature 0 --max-tokens 200
     python -m pagedref.generate --prompts-file prompts.jsonl --json
     python -m pagedref.generate --tensor-parallel-size 2   # the model split over 2 processes (GPUs on cuda)

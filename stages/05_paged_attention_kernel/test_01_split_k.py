@@ -25,7 +25,7 @@ def random_row(ctx_len, num_heads=8, num_kv_heads=2, head_dim=32, dtype=np.float
     return q, k, v, head_dim**-0.5
 
 
-def test_partitions_tile_the_context_exactly():
+def test_step1_partitions_tile_the_context_exactly():
     sk = splitk()
     for ctx in (1, 511, 512, 513, 5000):
         spans = sk.partition_bounds(ctx, 512)
@@ -35,27 +35,27 @@ def test_partitions_tile_the_context_exactly():
         assert all(0 < b - a <= 512 for a, b in spans)
 
 
-def test_the_partition_size_is_a_constant_not_a_function_of_the_batch():
+def test_step2_the_partition_size_is_a_constant_not_a_function_of_the_batch():
     # The kernel's partition count for a sequence is computed from its own length and a constant:
     # nothing about the rest of the batch can enter it.
     sk = splitk()
     assert isinstance(sk.PARTITION_SIZE, int) and sk.PARTITION_SIZE % max(sk.SUPPORTED_BLOCK_SIZES) == 0
 
 
-def test_one_partition_is_the_oracle_bit_for_bit():
+def test_step3_one_partition_is_the_oracle_bit_for_bit():
     q, k, v, scale = random_row(300)
     assert np.array_equal(splitk().split_k_attend_row(q, k, v, scale, 512), attend_row(q, k, v, scale))
 
 
 @pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-6), (np.float64, 1e-13)])
-def test_merging_partials_reproduces_attention(dtype, tol):
+def test_step4_merging_partials_reproduces_attention(dtype, tol):
     q, k, v, scale = random_row(1800, dtype=dtype, seed=1)  # 3 whole partitions and a partial one
     got = splitk().split_k_attend_row(q, k, v, scale, 512)
     ref = attend_row(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), scale)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) <= tol
 
 
-def test_the_merge_reassociates_sums_so_the_bits_differ():
+def test_step5_the_merge_reassociates_sums_so_the_bits_differ():
     # Merging adds the same terms in a different grouping ((a+b)+(c+d) instead of ((a+b)+c)+d);
     # float addition is not associative, so the last bits move: close, but not bit-identical.
     # That is why the CUDA path is held to a tolerance against the oracle, never to its bits.
@@ -65,7 +65,7 @@ def test_the_merge_reassociates_sums_so_the_bits_differ():
     assert np.abs(got - ref).max() <= 1e-6
 
 
-def test_a_batch_dependent_partition_size_would_change_the_bits():
+def test_step6_a_batch_dependent_partition_size_would_change_the_bits():
     # If the partition size were picked from the batch (say, to fill the GPU), the same sequence
     # would be merged differently in different batches, and its output bits would change with
     # its neighbours. A fixed size makes its arithmetic a function of the sequence alone.
@@ -75,7 +75,7 @@ def test_a_batch_dependent_partition_size_would_change_the_bits():
     assert np.array_equal(sk.split_k_attend_row(q, k, v, scale, 512), sk.split_k_attend_row(q, k, v, scale, 512))
 
 
-def test_rescaling_by_the_running_max_keeps_huge_logits_finite():
+def test_step7_rescaling_by_the_running_max_keeps_huge_logits_finite():
     # Logits of several hundred overflow exp() in float32; each partition subtracts its own max,
     # and the merge rescales by exp(m_p - M) <= 1, so nothing overflows.
     q, k, v, _ = random_row(1500, seed=4)
@@ -84,7 +84,7 @@ def test_rescaling_by_the_running_max_keeps_huge_logits_finite():
     assert np.isfinite(got).all() and np.abs(got - ref).max() <= 1e-4
 
 
-def test_merge_weights_are_the_partition_exp_sums_on_a_common_max():
+def test_step8_merge_weights_are_the_partition_exp_sums_on_a_common_max():
     sk = splitk()
     q, k, v, scale = random_row(1024, seed=5)
     (m0, l0), (m1, l1) = (sk.softmax_stats(q, k[a:b], scale) for a, b in sk.partition_bounds(1024, 512))
@@ -93,7 +93,7 @@ def test_merge_weights_are_the_partition_exp_sums_on_a_common_max():
     np.testing.assert_allclose(l, l0 * np.exp(m0 - m) + l1 * np.exp(m1 - m), rtol=1e-6)
 
 
-def test_each_cta_serves_a_whole_number_of_query_heads_of_one_kv_head():
+def test_step9_each_cta_serves_a_whole_number_of_query_heads_of_one_kv_head():
     sk = splitk()
     for num_heads, num_kv_heads, expect in ((32, 8, 4), (28, 4, 7), (128, 8, 8), (8, 8, 1), (48, 4, 6)):
         g = sk.heads_per_cta(num_heads, num_kv_heads)
