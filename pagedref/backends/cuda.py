@@ -2,7 +2,9 @@
 
 One idea: one attention layer of one step is two launches: reshape_and_cache writes the step's new
 K/V into their slots, then the decode kernel (every sequence brings one token) or the prefill kernel
-(any mix of prompt chunks and decodes) reads each sequence's context through its block table.
+(any mix of prompt chunks and decodes) reads each sequence's context through its block table. Given
+the model's RoPE tables (`rope=`, `fuses_rope`), the first launch also rotates q and k on the way
+(`kernels.fused.rotary_embedding_and_cache`, vLLM's rotary_embedding + reshape_and_cache in one).
 
 Invariant: the value checks that need a host sync (block ids, context lengths, slots) run once per
 step's metadata and pool size, not once per layer: every layer of a step shares one
@@ -19,11 +21,12 @@ import torch
 
 from pagedref import kernels
 from pagedref.backends.metadata import AttentionMetadata
-from pagedref.kernels import validate
+from pagedref.kernels import fused, validate
 
 
 class CudaBackend:
     name = "cuda"
+    fuses_rope = True  # forward takes rope=RotaryTables and rotates the unrotated q and k itself
 
     def __init__(self) -> None:
         self._checked: tuple[int, int] | None = None  # (id of the metadata, num_blocks) last checked
@@ -59,8 +62,12 @@ class CudaBackend:
         return True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, H, d], k/v [T, Hkv, d] (this step's tokens) -> [T, H, d]; writes k/v into kv_cache first."""
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float, *,
+                rope: fused.RotaryTables | None = None) -> torch.Tensor:
+        """q [T, H, d], k/v [T, Hkv, d] (this step's tokens) -> [T, H, d]; writes k/v into kv_cache first.
+
+        With rope, q and k come unrotated: q is rotated in place and k on its way into the pool (k itself
+        is left unrotated)."""
         k_cache, v_cache = kv_cache
         if meta.block_size != k_cache.shape[1]:
             raise ValueError(f"meta.block_size = {meta.block_size} but the pool's block_size is {k_cache.shape[1]}")
@@ -68,7 +75,13 @@ class CudaBackend:
         if check and meta.is_decode_only and meta.num_tokens != meta.num_seqs:
             raise ValueError(f"max_query_len = 1 but {meta.num_tokens} tokens for {meta.num_seqs} sequences")
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        kernels.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, check=check)
+        if rope is None:
+            kernels.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, check=check)
+        else:
+            # the pool's shape rules (block size, head_dim) as reshape_and_cache checks them; the slots (-1:
+            # padding, skipped) and positions are the fused kernel's own checks
+            validate.check_cache_write(k, v, k_cache, v_cache, meta.slot_mapping, check_slots=False)
+            fused.rotary_embedding_and_cache(q, k, v, k_cache, v_cache, meta.slot_mapping, rope, check=check)
         if meta.is_decode_only:
             return kernels.paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                                                   max_context_len=meta.max_context_len, check=check)

@@ -46,6 +46,7 @@ from torch import nn
 from pagedref.backends.metadata import AttentionMetadata
 from pagedref.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from pagedref.distributed.parallel import TPGroup, check_tensor_parallel_size
+from pagedref.kernels import fused
 from pagedref.models.config import ModelConfig
 
 
@@ -148,6 +149,14 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+              residual_out: torch.Tensor | None = None) -> torch.Tensor:
+        """The same norm as one CUDA kernel (`kernels.fused`): of x, or of x + residual, the sum written to
+        residual_out (default: residual, in place). x itself becomes the output when residual is given."""
+        if residual is None:
+            return fused.rms_norm(x, self.weight, self.eps)
+        return fused.fused_add_rms_norm(x, residual, self.weight, self.eps, residual_out=residual_out)[0]
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, tp: TPGroup = TPGroup()):
@@ -167,12 +176,17 @@ class LlamaAttention(nn.Module):
         # Row-parallel (split by input columns, all-reduced after).
         self.o_proj = RowParallelLinear(q_size, hidden, config.o_proj_bias, dtype, tp)
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [T, hidden] -> q [T, H, d], k [T, Hkv, d] (both rotated), v [T, Hkv, d]."""
+    def project(self, x: torch.Tensor):
+        """x [T, hidden] -> q [T, H, d], k [T, Hkv, d] (not yet rotated), v [T, Hkv, d]."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, hidden] -> q [T, H, d], k [T, Hkv, d] (both rotated), v [T, Hkv, d]."""
+        q, k, v = self.project(x)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -188,6 +202,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The same with silu(gate) * up as one CUDA kernel."""
+        return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -209,12 +227,30 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn.o_proj(attn.flatten(1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    # The same two halves on the fused CUDA kernels (`kernels.fused`): the same operations and roundings,
+    # four launches of per-token work instead of ~40 (the norms' sums are associated differently).
+    def attn_in_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """attn_in: cos, sin [T, d/2] are the tokens' own rows of the tables."""
+        q, k, v = self.self_attn.project(self.input_layernorm.fused(x))
+        fused.rotary_embedding(q, k, fused.RotaryTables(cos, sin))
+        return q, k, v
+
+    def attn_out_and_mlp_fused(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """attn_out_and_mlp; x is not written (the new residual stream is a new tensor)."""
+        h = self.self_attn.o_proj(attn.flatten(1))
+        residual = torch.empty_like(x)
+        h = self.post_attention_layernorm.fused(h, x, residual_out=residual)  # residual = x + h; h = its norm
+        return residual.add_(self.mlp.fused(h))
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, batch_invariant: bool = True,
                  tp: TPGroup = TPGroup()):
         super().__init__()
         self.batch_invariant = batch_invariant
+        # On CUDA (not batch-invariant), the per-token work runs on the fused kernels unless this is False
+        # (benchmarks set it to time the unfused torch ops). The CPU path never uses them.
+        self.fused_kernels = True
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -223,6 +259,8 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, backend) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers (one (k, v) pair per layer)")
+        if self.uses_fused(input_ids) and getattr(backend, "fuses_rope", False):
+            return self.forward_fused(input_ids, positions, kv_caches, meta, backend)
         with one_thread(self.batch_invariant):
             x, cos, sin = self.embed(input_ids, positions)
             for i, kv_cache in enumerate(kv_caches):
@@ -230,6 +268,29 @@ class LlamaModel(nn.Module):
                 attn = backend.forward(q, k, v, kv_cache, meta, self.layers[i].self_attn.scale)  # [T, H, d]
                 x = self.layer_out(i, x, attn)
             return self.final_norm(x)
+
+    def uses_fused(self, t: torch.Tensor) -> bool:
+        """Whether the per-token work on t's device runs on the fused CUDA kernels."""
+        return self.fused_kernels and t.is_cuda and not self.batch_invariant
+
+    def forward_fused(self, input_ids, positions, kv_caches, meta: AttentionMetadata, backend) -> torch.Tensor:
+        """The forward as vLLM runs it on a GPU: each residual add is fused into the norm after it (the
+        MLP's output is added by the next layer's input norm, the last one by the final norm), and RoPE
+        into the attention backend's K/V write. Four launches of per-token work per layer; the same
+        numbers as the pieces below (each norm reads the rounded sum), which the piecewise graphs replay."""
+        rope = fused.RotaryTables(self.rotary.cos, self.rotary.sin, positions)  # the backend rotates q and k
+        x = self.embed_tokens(input_ids)  # [T, hidden] the residual stream, updated in place
+        h = self.layers[0].input_layernorm.fused(x)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            attn = layer.self_attn
+            q, k, v = attn.project(h)
+            out = backend.forward(q, k, v, kv_cache, meta, attn.scale, rope=rope)  # [T, H, d]
+            h = attn.o_proj(out.flatten(1))
+            h = layer.post_attention_layernorm.fused(h, x)  # x += attention; h = norm(x)
+            h = layer.mlp.fused(h)
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h = next_norm.fused(h, x)  # x += mlp; h = the next layer's input (or the final norm's output)
+        return h
 
     # The forward in its pieces: everything but attention works on each token row alone, which is what
     # lets `pagedref.engine.cuda_graph` capture the pieces between two attention calls for a padded batch.
@@ -240,13 +301,19 @@ class LlamaModel(nn.Module):
 
     def layer_in(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Layer i before attention: x [T, hidden] -> q [T, H, d], k, v [T, Hkv, d]."""
+        if self.uses_fused(x):
+            return self.layers[i].attn_in_fused(x, cos, sin)
         return map_rows(self.layers[i].attn_in, x, cos, sin, per_row=self.batch_invariant)
 
     def layer_out(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Layer i after attention: x [T, hidden], attn [T, H, d] -> the next residual stream [T, hidden]."""
+        if self.uses_fused(x):
+            return self.layers[i].attn_out_and_mlp_fused(x, attn)
         return map_rows(self.layers[i].attn_out_and_mlp, x, attn, per_row=self.batch_invariant)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.uses_fused(x):
+            return self.norm.fused(x)
         return map_rows(self.norm, x, per_row=self.batch_invariant)
 
 

@@ -1,0 +1,252 @@
+// fused_ops.cu: the small per-token operations of a Llama layer, each one pass over its rows.
+//
+// One idea: between the matrix multiplies, a decode step's per-token work (RMSNorm, the residual add,
+// SwiGLU's activation, RoPE, the K/V write into the paged pool) is a chain of memory-bound torch
+// ops, each reading and writing whole activations and each a launch. Fused (vLLM's
+// fused_add_rms_norm, silu_and_mul, rotary_embedding + reshape_and_cache), every activation is read
+// once and written once, in four launches per layer.
+//
+// Kernels (scalar_t from -DPR_DTYPE=0|1|2; every one also comes in vector widths W = 1, 2, 4, 8
+// elements per load, `_w<W>`, W * sizeof(scalar_t) <= 16 bytes; the launcher picks W from the row
+// length alone, so the arithmetic never depends on the batch or on addresses):
+//
+// rms_norm_w<W>: out[t] = weight * round(x[t] * rstd(x[t]))  (transformers' Llama RMSNorm: statistics
+//   in fp32, the normalised row rounded to the model dtype, then multiplied by the weight).
+// fused_add_rms_norm_w<W>: z = round(x[t] + residual[t]); residual_out[t] = z; out[t] = RMSNorm(z).
+//   The norm is taken of the rounded sum, so it equals `r = x + r; rms_norm(r)` in torch bit for bit.
+//   out may alias x and residual_out residual (vLLM's in-place form): each element is read and then
+//   written by the same thread, never another's.
+//   Launch: grid (num_tokens), block NT threads (a function of hidden_size only, <= 1024). The sum of
+//   squares is per thread in index order, then an xor butterfly per warp, then the warps' partials in
+//   warp order: one fixed order per row, so a row's result does not depend on its batch.
+// silu_and_mul_w<W>: out[t, i] = round(silu(gate[t, i]) * up[t, i]) in fp32 (one rounding). gate and
+//   up are row-strided, so they can be the two halves of one gate_up row or two tensors.
+//   Launch: grid (num_tokens, ceil(n / (W * blockDim.x))), any block size.
+// rotary_embedding_and_cache_w<W>: RoPE in transformers' rotate-half layout (dimension i pairs with
+//   i + head_dim / 2) on every query head (in place) and every key head, then the key heads, rotated,
+//   and the value heads go to slot slot_mapping[t] of k/v_cache [num_blocks, block_size, Hkv, head_dim]
+//   (a slot < 0 is padding: nothing is written for it, as vLLM's reshape_and_cache skips it).
+//   cos/sin are fp32 tables [rows, head_dim / 2] (the model's, so llama3 / linear scaling come for
+//   free); token t reads row positions[t], or row t when positions is null (tables already gathered).
+//   With write_k the rotated keys also go back into k (RoPE alone: k_cache null, nothing cached).
+//   The rotation is fp32 with one rounding per output (transformers rounds cos/sin to the model dtype
+//   and each product: within the same tolerance, closer to the float64 oracle).
+//   Launch: grid (num_tokens), any block size; each thread rotates W dimension pairs of one head or
+//   copies W values of one value head.
+//
+// The dtype conversions are common.cuh's (cvt.* PTX, no header), repeated here because common.cuh
+// also demands the attention kernels' HEAD_DIM and BLOCK_SIZE, which these kernels take at run time.
+
+#ifndef PR_DTYPE
+#error "compile with -DPR_DTYPE=0 (float32), 1 (float16) or 2 (bfloat16)"
+#endif
+
+#if PR_DTYPE == 0
+typedef float scalar_t;
+#elif PR_DTYPE == 1 || PR_DTYPE == 2
+typedef unsigned short scalar_t;  // the raw bits of a half or a bfloat16
+#else
+#error "PR_DTYPE must be 0, 1 or 2"
+#endif
+
+#define PR_FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float to_float(scalar_t x) {
+#if PR_DTYPE == 0
+  return x;
+#elif PR_DTYPE == 1
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+  return f;
+#else
+  return __uint_as_float(((unsigned int)x) << 16);  // bf16 is the top half of an fp32
+#endif
+}
+
+__device__ __forceinline__ scalar_t from_float(float f) {
+#if PR_DTYPE == 0
+  return f;
+#elif PR_DTYPE == 1
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));  // round to nearest even
+  return h;
+#else
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));  // round to nearest even (sm_80+)
+  return h;
+#endif
+}
+
+// W consecutive elements, loaded and stored as one access of W * sizeof(scalar_t) bytes.
+template <int W>
+struct alignas(W * sizeof(scalar_t)) Vec {
+  scalar_t v[W];
+};
+
+template <int W>
+__device__ __forceinline__ Vec<W> load(const scalar_t *p) {
+  return *reinterpret_cast<const Vec<W> *>(p);
+}
+
+template <int W>
+__device__ __forceinline__ void store(scalar_t *p, const Vec<W> &x) {
+  *reinterpret_cast<Vec<W> *>(p) = x;
+}
+
+// --- RMSNorm, with or without the residual add -------------------------------------------------------
+
+// The sum of x over the CTA, the same bits in every thread: butterfly per warp, then the warps' partials
+// added in warp order by every thread (blockDim.x a multiple of 32, at most 1024).
+__device__ __forceinline__ float block_sum(float x) {
+  __shared__ float partial[32];
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(PR_FULL_MASK, x, o);
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = x;
+  __syncthreads();
+  float total = 0.f;
+  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += partial[w];
+  return total;
+}
+
+// x, residual, residual_out, out: rows of `hidden` elements, `stride` elements apart (the same stride for
+// all four). No __restrict__: out may alias x, residual_out residual.
+template <int W, bool ADD>
+__device__ __forceinline__ void add_rms_norm(scalar_t *out, const scalar_t *x, const scalar_t *residual,
+                                             scalar_t *residual_out, const scalar_t *__restrict__ weight,
+                                             long long stride, int hidden, float eps) {
+  const long long row = (long long)blockIdx.x * stride;
+  const int nvec = hidden / W;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+    Vec<W> a = load<W>(x + row + i * W);
+    if (ADD) {
+      const Vec<W> b = load<W>(residual + row + i * W);
+#pragma unroll
+      for (int j = 0; j < W; ++j) a.v[j] = from_float(to_float(a.v[j]) + to_float(b.v[j]));
+      store<W>(residual_out + row + i * W, a);
+    }
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      const float z = to_float(a.v[j]);
+      ss += z * z;
+    }
+  }
+  const float rstd = 1.f / sqrtf(block_sum(ss) / (float)hidden + eps);
+  // Second pass over the row this thread itself read (or wrote): L1/L2 hits, and no other thread's data.
+  const scalar_t *z_row = ADD ? residual_out : x;
+  for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+    const Vec<W> z = load<W>(z_row + row + i * W);
+    const Vec<W> w = load<W>(weight + i * W);
+    Vec<W> y;
+#pragma unroll
+    for (int j = 0; j < W; ++j) y.v[j] = from_float(to_float(w.v[j]) * to_float(from_float(to_float(z.v[j]) * rstd)));
+    store<W>(out + row + i * W, y);
+  }
+}
+
+#define PR_RMS_NORM(W)                                                                                         \
+  extern "C" __global__ void __launch_bounds__(1024) rms_norm_w##W(                                          \
+      scalar_t *out, const scalar_t *x, const scalar_t *__restrict__ weight, long long stride, int hidden,     \
+      float eps) {                                                                                             \
+    add_rms_norm<W, false>(out, x, nullptr, nullptr, weight, stride, hidden, eps);                             \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(1024) fused_add_rms_norm_w##W(                                \
+      scalar_t *out, const scalar_t *x, const scalar_t *residual, scalar_t *residual_out,                      \
+      const scalar_t *__restrict__ weight, long long stride, int hidden, float eps) {                          \
+    add_rms_norm<W, true>(out, x, residual, residual_out, weight, stride, hidden, eps);                        \
+  }
+
+// --- SiLU and multiply -------------------------------------------------------------------------------
+
+template <int W>
+__device__ __forceinline__ void silu_and_mul(scalar_t *__restrict__ out, const scalar_t *__restrict__ gate,
+                                             const scalar_t *__restrict__ up, long long out_stride,
+                                             long long gate_stride, long long up_stride, int n) {
+  const long long t = blockIdx.x;
+  const int i = (blockIdx.y * blockDim.x + threadIdx.x) * W;
+  if (i >= n) return;
+  const Vec<W> g = load<W>(gate + t * gate_stride + i);
+  const Vec<W> u = load<W>(up + t * up_stride + i);
+  Vec<W> y;
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const float a = to_float(g.v[j]);
+    y.v[j] = from_float(a / (1.f + expf(-a)) * to_float(u.v[j]));  // silu(a) = a * sigmoid(a); -> -0 as a -> -inf
+  }
+  store<W>(out + t * out_stride + i, y);
+}
+
+#define PR_SILU_AND_MUL(W)                                                                                     \
+  extern "C" __global__ void silu_and_mul_w##W(scalar_t *__restrict__ out, const scalar_t *__restrict__ gate, \
+                                               const scalar_t *__restrict__ up, long long out_stride,          \
+                                               long long gate_stride, long long up_stride, int n) {            \
+    silu_and_mul<W>(out, gate, up, out_stride, gate_stride, up_stride, n);                                     \
+  }
+
+// --- RoPE and the K/V write into the paged pool -----------------------------------------------------
+
+// q [T, num_heads, head_dim] and k, v [T, num_kv_heads, head_dim], each with its own token stride (heads
+// and dimensions contiguous); k_cache/v_cache [num_slots, num_kv_heads, head_dim] or null.
+template <int W>
+__device__ __forceinline__ void rotary_embedding_and_cache(
+    scalar_t *q, scalar_t *k, const scalar_t *v, long long q_stride, long long k_stride, long long v_stride,
+    scalar_t *__restrict__ k_cache, scalar_t *__restrict__ v_cache, const long long *__restrict__ slot_mapping,
+    const long long *__restrict__ positions, const float *__restrict__ cos, const float *__restrict__ sin,
+    int num_heads, int num_kv_heads, int head_dim, int write_k) {
+  const long long t = blockIdx.x;
+  const int half = head_dim / 2;
+  const long long table_row = (positions ? positions[t] : t) * half;
+  const long long slot = k_cache ? slot_mapping[t] : -1;
+  const long long slot_row = slot * num_kv_heads * head_dim;  // the slot's first element in either pool
+  const int pair_vecs = half / W;  // W-wide pairs of vectors per head
+  const int rope_items = (num_heads + num_kv_heads) * pair_vecs;
+  const int v_items = slot >= 0 ? num_kv_heads * (head_dim / W) : 0;
+  for (int item = threadIdx.x; item < rope_items + v_items; item += blockDim.x) {
+    if (item < rope_items) {
+      const int h = item / pair_vecs, j = (item % pair_vecs) * W;
+      const bool is_q = h < num_heads;
+      const int kh = h - num_heads;
+      scalar_t *src = is_q ? q + t * q_stride + (long long)h * head_dim : k + t * k_stride + (long long)kh * head_dim;
+      const Vec<W> x1 = load<W>(src + j), x2 = load<W>(src + half + j);
+      Vec<W> o1, o2;
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        const float c = __ldg(cos + table_row + j + w), s = __ldg(sin + table_row + j + w);
+        const float a = to_float(x1.v[w]), b = to_float(x2.v[w]);
+        o1.v[w] = from_float(a * c - b * s);  // (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+        o2.v[w] = from_float(b * c + a * s);
+      }
+      if (is_q || write_k) {
+        store<W>(src + j, o1);
+        store<W>(src + half + j, o2);
+      }
+      if (!is_q && slot >= 0) {
+        scalar_t *dst = k_cache + slot_row + (long long)kh * head_dim;
+        store<W>(dst + j, o1);
+        store<W>(dst + half + j, o2);
+      }
+    } else {
+      const int i = (item - rope_items) * W;  // [kv head][dimension] of the value row
+      store<W>(v_cache + slot_row + i, load<W>(v + t * v_stride + i));
+    }
+  }
+}
+
+#define PR_ROTARY(W)                                                                                             \
+  extern "C" __global__ void rotary_embedding_and_cache_w##W(                                                  \
+      scalar_t *q, scalar_t *k, const scalar_t *v, long long q_stride, long long k_stride, long long v_stride,   \
+      scalar_t *__restrict__ k_cache, scalar_t *__restrict__ v_cache, const long long *__restrict__ slot_mapping, \
+      const long long *__restrict__ positions, const float *__restrict__ cos, const float *__restrict__ sin,     \
+      int num_heads, int num_kv_heads, int head_dim, int write_k) {                                              \
+    rotary_embedding_and_cache<W>(q, k, v, q_stride, k_stride, v_stride, k_cache, v_cache, slot_mapping,         \
+                                  positions, cos, sin, num_heads, num_kv_heads, head_dim, write_k);              \
+  }
+
+#define PR_ALL(W) PR_RMS_NORM(W) PR_SILU_AND_MUL(W) PR_ROTARY(W)
+
+PR_ALL(1)
+PR_ALL(2)
+PR_ALL(4)
+#if PR_DTYPE != 0
+PR_ALL(8)  // 16 bytes of 16-bit values
+#endif
