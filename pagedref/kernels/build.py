@@ -150,6 +150,7 @@ def ci_configs() -> list[KernelConfig]:
     configs += [decode_config("bfloat16", 128, 16, g, t) for g in (1, 2, 3, 5, 6, 7, 8)
                 for t in (DecodeTuning(), MmaTuning())]
     configs += [decode_config(dtype, 128, 16, 4, t) for dtype in ("float16", "bfloat16") for t in CANDIDATES.values()]
+    configs += [KernelConfig("fused_ops.cu", (("PR_DTYPE", code),)) for code in DTYPE_CODES.values()]  # kernels.fused
     return list(dict.fromkeys(configs))  # each once, in order
 
 
