@@ -499,9 +499,17 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
 // unconditional. At the end the 4 warps merge through shared memory in warp order and the
 // partition writes the same partials as v2, so paged_attention_reduce merges partitions.
 // Bits: every sum runs in an order fixed by token index and lane, whatever the batch or blocks.
-// Scope: 16-bit K/V, HEAD_DIM a multiple of 64, up to 8 heads per CTA; the launcher runs v2
-// elsewhere (pagedref.kernels.splitk.mma_supported). The query is re-read from shared memory each
-// slab rather than held in 16 registers: that is what fits 4 CTAs per SM at head_dim 128.
+// Head dims that are not a multiple of 64 (vLLM's 80, 96, 112, 120, 192 is one): the head
+// dimension is cut into pieces, each loaded by one load per lane and token row. K: pieces of 32
+// dims (16-byte loads, two mmas), then at most one of 16 (8-byte loads at 4tig, one mma) and one
+// of 8 (4-byte loads at 2tig, one mma whose k 8..15 are zero). V: bands of 64 dims (16-byte
+// loads, four mmas), then at most one band of 32 (8-byte loads at 4grp, two mmas), of 16 (4-byte
+// loads at 2grp, one mma) and of 8 (2-byte loads at grp, one mma whose rows grp + 8 are zero).
+// A band of W elements per lane puts output dims OFF + W grp + 2j (+1) on rows grp (grp + 8) of
+// its mma j. A multiple of 64 has no partial piece: its code, and so its bits, are as before.
+// Scope: 16-bit K/V, HEAD_DIM a multiple of 8 from 64 to 256, up to 8 heads per CTA; the launcher
+// runs v2 elsewhere (pagedref.kernels.splitk.mma_supported). The query is re-read from shared
+// memory each slab rather than held in 16 registers: that is what fits 4 CTAs per SM at head_dim 128.
 #ifndef DECODE_MMA
 #define DECODE_MMA 0
 #endif
@@ -513,12 +521,33 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
 #endif
 #if DECODE_MMA
 static_assert(PR_DTYPE == 1 || PR_DTYPE == 2, "v3 (DECODE_MMA) needs 16-bit K/V: float16 or bfloat16");
-static_assert(HEAD_DIM % 64 == 0, "v3 (DECODE_MMA) needs HEAD_DIM a multiple of 64");
+static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM >= 64, "v3 (DECODE_MMA) needs HEAD_DIM a multiple of 8, at least 64");
 static_assert(G <= 8, "v3 serves at most 8 query heads per CTA: the N of one mma");
 
 constexpr int SLAB = 16;            // tokens per warp step: the M of QK^T, the K of p.V
-constexpr int KCH = HEAD_DIM / 32;  // K: 16-byte slices per lane per token row (two rows per lane)
+constexpr int KCH = HEAD_DIM / 32;  // K: 32-dim pieces, 16-byte slices per lane per token row (two rows per lane)
+constexpr bool K16 = HEAD_DIM % 32 >= 16;  // K: a 16-dim piece after them (8-byte slices)
+constexpr bool K8 = HEAD_DIM % 16 == 8;    // K: an 8-dim piece last (4-byte slices)
+constexpr int K16_OFF = 32 * KCH, K8_OFF = K16_OFF + 16 * K16;
 constexpr int VCH = HEAD_DIM / 64;  // V: 64-dim bands (four token rows per lane)
+constexpr bool V32 = HEAD_DIM % 64 >= 32;  // V: a 32-dim band after them (8-byte slices)
+constexpr bool V16 = HEAD_DIM % 32 >= 16;  // V: a 16-dim band (4-byte slices)
+constexpr bool V8 = HEAD_DIM % 16 == 8;    // V: an 8-dim band last (2-byte slices)
+constexpr int V32_OFF = 64 * VCH, V16_OFF = V32_OFF + 32 * V32, V8_OFF = V16_OFF + 16 * V16;
+
+// One lane's K (two token rows) and V (four token rows) of a slab, piece by piece; the partial
+// pieces' registers are dead code where HEAD_DIM has no such piece.
+struct KSlab {
+  uint4 c[KCH][2];
+  uint2 t16[2];
+  unsigned t8[2];
+};
+struct VSlab {
+  uint4 c[VCH][4];
+  uint2 t32[4];
+  unsigned t16[4];
+  unsigned t8[4];  // one 16-bit value in the low half
+};
 constexpr float LN2 = 0.6931471805599453f;  // LOG2E, mma_16816, pack2, exp2_approx: common.cuh
 
 
@@ -581,29 +610,79 @@ __device__ __forceinline__ void prefetch_slab_l2(const scalar_t *k_cache, const 
                                                  const PartitionRows &r, int t0, int lane) {
   const scalar_t *p = r.row(lane < SLAB ? k_cache : v_cache, t0, lane % SLAB);
 #pragma unroll
-  for (int c = 0; c < HEAD_DIM / 64; ++c) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p + 64 * c));  // 128-byte lines
+  for (int c = 0; c < (HEAD_DIM + 63) / 64; ++c) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p + 64 * c));  // 128-byte lines
 }
 
+// The partial pieces' narrower loads (row starts are 16-byte aligned: HEAD_DIM is a multiple of 8).
+__device__ __forceinline__ uint2 load_kv8(const scalar_t *p) { return __ldg(reinterpret_cast<const uint2 *>(p)); }
+__device__ __forceinline__ unsigned load_kv4(const scalar_t *p) { return __ldg(reinterpret_cast<const unsigned *>(p)); }
+__device__ __forceinline__ unsigned load_kv2(const scalar_t *p) { return __ldg(p); }
+
 // This lane's K slices of the slab starting at token t0: rows t0 + grp and t0 + grp + 8,
-// dims 32c + 8tig .. + 8: exactly its A fragments of the KCH x 2 QK^T mmas.
-__device__ __forceinline__ void load_k_slab(uint4 (&kt)[KCH][2], const scalar_t *k_cache, const PartitionRows &r,
+// dims 32c + 8tig .. + 8 (then K16_OFF + 4tig .. + 4, K8_OFF + 2tig .. + 2): exactly its A
+// fragments of the QK^T mmas.
+__device__ __forceinline__ void load_k_slab(KSlab &kt, const scalar_t *k_cache, const PartitionRows &r,
                                             int t0, int grp, int tig) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const scalar_t *p = r.row(k_cache, t0, grp + 8 * i) + 8 * tig;
+    const scalar_t *p = r.row(k_cache, t0, grp + 8 * i);
 #pragma unroll
-    for (int c = 0; c < KCH; ++c) kt[c][i] = load_kv16(p + 32 * c);
+    for (int c = 0; c < KCH; ++c) kt.c[c][i] = load_kv16(p + 32 * c + 8 * tig);
+    if (K16) kt.t16[i] = load_kv8(p + K16_OFF + 4 * tig);
+    if (K8) kt.t8[i] = load_kv4(p + K8_OFF + 2 * tig);
   }
 }
 
-// This lane's V slices of the slab: rows t0 + 2tig + {0, 1, 8, 9}, dims 64c + 8grp .. + 8.
-__device__ __forceinline__ void load_v_slab(uint4 (&vt)[VCH][4], const scalar_t *v_cache, const PartitionRows &r,
+// This lane's V slices of the slab: rows t0 + 2tig + {0, 1, 8, 9}, dims 64c + 8grp .. + 8 (then
+// V32_OFF + 4grp .. + 4, V16_OFF + 2grp .. + 2, V8_OFF + grp).
+__device__ __forceinline__ void load_v_slab(VSlab &vt, const scalar_t *v_cache, const PartitionRows &r,
                                             int t0, int grp, int tig) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const scalar_t *p = r.row(v_cache, t0, 2 * tig + (i & 1) + 8 * (i >> 1)) + 8 * grp;
+    const scalar_t *p = r.row(v_cache, t0, 2 * tig + (i & 1) + 8 * (i >> 1));
 #pragma unroll
-    for (int c = 0; c < VCH; ++c) vt[c][i] = load_kv16(p + 64 * c);
+    for (int c = 0; c < VCH; ++c) vt.c[c][i] = load_kv16(p + 64 * c + 8 * grp);
+    if (V32) vt.t32[i] = load_kv8(p + V32_OFF + 4 * grp);
+    if (V16) vt.t16[i] = load_kv4(p + V16_OFF + 2 * grp);
+    if (V8) vt.t8[i] = load_kv2(p + V8_OFF + grp);
+  }
+}
+
+// The query's B fragments of the partial K pieces, re-read from shared memory each slab (as lds16).
+__device__ __forceinline__ uint2 lds8(const scalar_t *p) {
+  uint2 u;
+  asm volatile("ld.volatile.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(u.x), "=r"(u.y) : "r"((unsigned)__cvta_generic_to_shared(p)));
+  return u;
+}
+__device__ __forceinline__ unsigned lds4(const scalar_t *p) {
+  unsigned u;
+  asm volatile("ld.volatile.shared.u32 %0, [%1];\n" : "=r"(u) : "r"((unsigned)__cvta_generic_to_shared(p)));
+  return u;
+}
+
+// O^T += V^T P^T for one band's mma: the lane's words of token rows 2tig, 2tig + 1 (a, b) and
+// 2tig + 8, 2tig + 9 (e, f) at output dims d, d + 1 (low and high halves): rows grp and grp + 8.
+__device__ __forceinline__ void mma_pv(float (&o)[4], unsigned a, unsigned b, unsigned e, unsigned f, float corr0,
+                                       float corr1, unsigned pb0, unsigned pb1) {
+  o[0] *= corr0;
+  o[1] *= corr1;
+  o[2] *= corr0;
+  o[3] *= corr1;
+  mma_16816(o, __byte_perm(a, b, 0x5410), __byte_perm(a, b, 0x7632), __byte_perm(e, f, 0x5410),
+            __byte_perm(e, f, 0x7632), pb0, pb1);
+}
+
+// Each lane's C fragment of one band mma -> the warp's unnormalized output in shared memory:
+// rows grp, grp + 8 are dims d, d + 1 (d + 1 absent in an 8-dim band), columns heads 2tig, 2tig + 1.
+__device__ __forceinline__ void store_o(float (*o_s)[HEAD_DIM], const float (&o)[4], int d, bool has_d1, int h0,
+                                        int h1) {
+  if (h0 < G) {
+    o_s[h0][d] = o[0];
+    if (has_d1) o_s[h0][d + 1] = o[2];
+  }
+  if (h1 < G) {
+    o_s[h1][d] = o[1];
+    if (has_d1) o_s[h1][d + 1] = o[3];
   }
 }
 
@@ -646,15 +725,18 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
   // Online softmax state for heads 2tig (…0) and 2tig + 1 (…1); o[c][j] is the C fragment of
   // O^T's rows 64c + 8grp + 2j (+1) and columns (heads) 2tig, 2tig + 1.
   float m0 = neg_inf(), m1 = neg_inf(), l0 = 0.f, l1 = 0.f;
-  float o[VCH][4][4];
+  float o[VCH][4][4], o32[2][4], o16[4], o8[4];  // the partial bands' accumulators likewise
 #pragma unroll
-  for (int c = 0; c < VCH; ++c)
+  for (int e = 0; e < 4; ++e) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int c = 0; c < VCH; ++c)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) o[c][j][e] = 0.f;
+      for (int j = 0; j < 4; ++j) o[c][j][e] = 0.f;
+    o32[0][e] = o32[1][e] = o16[e] = o8[e] = 0.f;
+  }
 
-  uint4 kt[KCH][2], vt[VCH][4];
+  KSlab kt;
+  VSlab vt;
   if (warp < num_slabs) {
     load_k_slab(kt, k_cache, rows, warp * SLAB, grp, tig);
     load_v_slab(vt, v_cache, rows, warp * SLAB, grp, tig);
@@ -668,8 +750,17 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
       const uint4 qf = lds16(&q_s[grp][4 * c + tig]);  // B fragments of Q^T: head grp, dims 32c + 8tig .. + 8
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        mma_16816(sc, word(kt[c][0], 2 * h), word(kt[c][1], 2 * h), word(kt[c][0], 2 * h + 1),
-                  word(kt[c][1], 2 * h + 1), word(qf, 2 * h), word(qf, 2 * h + 1));
+        mma_16816(sc, word(kt.c[c][0], 2 * h), word(kt.c[c][1], 2 * h), word(kt.c[c][0], 2 * h + 1),
+                  word(kt.c[c][1], 2 * h + 1), word(qf, 2 * h), word(qf, 2 * h + 1));
+    }
+    const scalar_t *q_row = reinterpret_cast<const scalar_t *>(q_s[grp]);
+    if (K16) {  // dims K16_OFF + 4tig .. + 4: k 2tig, 2tig + 1 (a0) and 2tig + 8, 2tig + 9 (a2)
+      const uint2 qf = lds8(q_row + K16_OFF + 4 * tig);
+      mma_16816(sc, kt.t16[0].x, kt.t16[1].x, kt.t16[0].y, kt.t16[1].y, qf.x, qf.y);
+    }
+    if (K8) {  // dims K8_OFF + 2tig, + 1: k 2tig, 2tig + 1; k 8..15 are zero
+      const unsigned qf = lds4(q_row + K8_OFF + 2 * tig);
+      mma_16816(sc, kt.t8[0], kt.t8[1], 0u, 0u, qf, 0u);
     }
     if (next < num_slabs) load_k_slab(kt, k_cache, rows, next * SLAB, grp, tig);  // in flight from here on
     if (KV_PREFETCH && next + NUM_WARPS < num_slabs) prefetch_slab_l2(k_cache, v_cache, rows, (next + NUM_WARPS) * SLAB, lane);
@@ -700,15 +791,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
 #pragma unroll
     for (int c = 0; c < VCH; ++c)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        o[c][j][0] *= corr0;
-        o[c][j][1] *= corr1;
-        o[c][j][2] *= corr0;
-        o[c][j][3] *= corr1;
-        const unsigned a = word(vt[c][0], j), b = word(vt[c][1], j), e = word(vt[c][2], j), f = word(vt[c][3], j);
-        mma_16816(o[c][j], __byte_perm(a, b, 0x5410), __byte_perm(a, b, 0x7632), __byte_perm(e, f, 0x5410),
-                  __byte_perm(e, f, 0x7632), pb0, pb1);
-      }
+      for (int j = 0; j < 4; ++j)
+        mma_pv(o[c][j], word(vt.c[c][0], j), word(vt.c[c][1], j), word(vt.c[c][2], j), word(vt.c[c][3], j), corr0,
+               corr1, pb0, pb1);
+    if (V32) {
+      mma_pv(o32[0], vt.t32[0].x, vt.t32[1].x, vt.t32[2].x, vt.t32[3].x, corr0, corr1, pb0, pb1);
+      mma_pv(o32[1], vt.t32[0].y, vt.t32[1].y, vt.t32[2].y, vt.t32[3].y, corr0, corr1, pb0, pb1);
+    }
+    if (V16) mma_pv(o16, vt.t16[0], vt.t16[1], vt.t16[2], vt.t16[3], corr0, corr1, pb0, pb1);
+    if (V8) mma_pv(o8, vt.t8[0], vt.t8[1], vt.t8[2], vt.t8[3], corr0, corr1, pb0, pb1);  // high halves 0: rows grp + 8 stay 0
     if (next < num_slabs) load_v_slab(vt, v_cache, rows, next * SLAB, grp, tig);
   }
 
@@ -724,11 +815,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
 #pragma unroll
   for (int c = 0; c < VCH; ++c)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int d = 64 * c + 8 * grp + 2 * j;
-      if (h0 < G) o_s[warp][h0][d] = o[c][j][0], o_s[warp][h0][d + 1] = o[c][j][2];
-      if (h1 < G) o_s[warp][h1][d] = o[c][j][1], o_s[warp][h1][d + 1] = o[c][j][3];
-    }
+    for (int j = 0; j < 4; ++j) store_o(o_s[warp], o[c][j], 64 * c + 8 * grp + 2 * j, true, h0, h1);
+  if (V32) {
+    store_o(o_s[warp], o32[0], V32_OFF + 4 * grp, true, h0, h1);
+    store_o(o_s[warp], o32[1], V32_OFF + 4 * grp + 2, true, h0, h1);
+  }
+  if (V16) store_o(o_s[warp], o16, V16_OFF + 2 * grp, true, h0, h1);
+  if (V8) store_o(o_s[warp], o8, V8_OFF + grp, false, h0, h1);
   __syncthreads();
 
   // Merge the warps in warp order (a warp without tokens has max -inf: weight 0), then write the

@@ -28,7 +28,7 @@
 // Versions, in rising sophistication:
 //   v1 paged_prefill: scores and p.V as fp32 FMAs on CUDA cores; correct for every dtype and head_dim,
 //      bounded by the FMA rate (about 67 TFLOP/s on an H100/H200) and shared-memory traffic.
-//   v2 paged_prefill_v2 (with -DPREFILL_MMA=1; 16-bit Q/K/V, HEAD_DIM 64/128/256): FlashAttention-2
+//   v2 paged_prefill_v2 (with -DPREFILL_MMA=1; 16-bit Q/K/V, vLLM's head sizes 64 .. 256): FlashAttention-2
 //      on the tensor cores (mma.sync m16n8k16, cp.async double buffering, ldmatrix). Its own section
 //      at the end of this file; the default wherever it applies. The launcher runs v1 for any other
 //      dtype or head_dim (a choice made from the model's shapes, never from the batch).
@@ -217,6 +217,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_prefill(
 //   - Q (A): matrix i = rows 8(i%2) .., dims k0 + 8(i/2) .. -> a0 .. a3.
 // Shared-memory rows are HEAD_DIM + 8 elements long: consecutive rows start 16 bytes apart modulo
 // 128, so the 8 rows of an ldmatrix matrix hit 8 distinct 16-byte bank groups (no conflict).
+// Head dims that are not a multiple of 16 (vLLM's 120): shared-memory rows and the mma loops run
+// over DP = HEAD_DIM rounded up to 16 (120 -> 128); the copies fill the first HEAD_DIM columns and
+// the last DP - HEAD_DIM columns of every K/V row are zeroed once, so the padded k-step adds exact
+// zeros to every score and the padded output columns are computed but never written. Where
+// DP == HEAD_DIM (every multiple of 16) the code is the same as before, and so are the bits.
 // Never NaN from the pool: tokens past the context (the last tile's tail) copy the context's last
 // token (a real one) instead, and are masked like every key after the row's position. Every row of
 // the tile is written (rows past the chunk are computed with the last row's position, not written).
@@ -231,17 +236,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_prefill(
 #endif
 #if PREFILL_MMA
 static_assert(PR_DTYPE == 1 || PR_DTYPE == 2, "v2 (PREFILL_MMA) needs 16-bit Q/K/V: float16 or bfloat16");
-static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "v2 (PREFILL_MMA) needs HEAD_DIM 64, 128 or 256");
+static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM >= 64 && HEAD_DIM <= 256, "v2 (PREFILL_MMA) needs HEAD_DIM a multiple "
+              "of 8 from 64 to 256");
 
+constexpr int DP = (HEAD_DIM + 15) / 16 * 16;   // the head dim the mmas run over: a multiple of their k = 16
 constexpr int TQ = NUM_WARPS * 16;              // query rows per CTA (pagedref.kernels.splitk.PREFILL_MMA_ROWS)
-constexpr int TK = HEAD_DIM <= 128 ? 64 : 32;   // keys per tile (splitk.prefill_mma_key_tile)
-constexpr bool Q_IN_REGS = HEAD_DIM <= 128;     // else Q waits in shared memory, re-read each tile
-constexpr int SROW = HEAD_DIM + 8;              // elements per shared-memory row (+16 bytes: no bank conflict)
-constexpr int CPR = HEAD_DIM / 8;               // 16-byte chunks per row
+constexpr int TK = DP <= 128 ? 64 : 32;         // keys per tile (splitk.prefill_mma_key_tile)
+constexpr bool Q_IN_REGS = DP <= 128;           // else Q waits in shared memory, re-read each tile
+constexpr int SROW = DP + 8;                    // elements per shared-memory row (+16 bytes: no bank conflict)
+constexpr int CPR = HEAD_DIM / 8;               // 16-byte chunks per row copied (columns past HEAD_DIM: zeros)
 constexpr int TILE_BLOCKS = TK / BLOCK_SIZE;    // physical blocks per key tile (BLOCK_SIZE <= 32 <= TK)
-constexpr int KSTEPS = HEAD_DIM / 16;           // k-steps of S = Q K^T
+constexpr int KSTEPS = DP / 16;                 // k-steps of S = Q K^T
 constexpr int SN = TK / 8;                      // n-tiles of S (8 keys each)
-constexpr int ON = HEAD_DIM / 8;                // n-tiles of O (8 dims each)
+constexpr int ON = DP / 8;                      // n-tiles of O (8 dims each)
 static_assert(TK % BLOCK_SIZE == 0, "a key tile covers whole blocks");
 
 __device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
@@ -327,6 +334,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_prefill_v2(
       else *reinterpret_cast<uint4 *>(dst) = make_uint4(0u, 0u, 0u, 0u);
     }
   }
+  if (DP != HEAD_DIM) {  // zero the padded columns once: no copy ever writes them
+    for (int r = tid; r < 4 * TK + (Q_IN_REGS ? 0 : TQ); r += NUM_THREADS)
+      *reinterpret_cast<uint4 *>(kv_s + r * SROW + HEAD_DIM) = make_uint4(0u, 0u, 0u, 0u);
+  }
   __syncthreads();  // blk_s[0] ready
   copy_kv_tile(kv_s, k_cache, v_cache, blk_s[0], 0, ctx, row_stride, kv_off);
   asm volatile("cp.async.commit_group;\n" ::: "memory");  // group 0: Q (if in shared memory) and tile 0
@@ -340,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_prefill_v2(
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int row = wrow0 + grp + 8 * (i % 2), dim = 16 * kk + 2 * tig + 8 * (i / 2);
-        qf[kk][i] = row < qlen ? *reinterpret_cast<const unsigned *>(qh + row * q_row_stride + dim) : 0u;
+        qf[kk][i] = row < qlen && (DP == HEAD_DIM || dim < HEAD_DIM) ? *reinterpret_cast<const unsigned *>(qh + row * q_row_stride + dim) : 0u;
       }
   }
 
@@ -460,7 +471,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_prefill_v2(
     const float l = half ? l_hi : l_lo;
     unsigned *dst = reinterpret_cast<unsigned *>(out + (long long)(q0 + row) * q_row_stride + h * HEAD_DIM + 2 * tig);
 #pragma unroll
-    for (int n = 0; n < ON; ++n) dst[4 * n] = pack2(o[n][2 * half] / l, o[n][2 * half + 1] / l);
+    for (int n = 0; n < ON; ++n)
+      if (8 * n < HEAD_DIM) dst[4 * n] = pack2(o[n][2 * half] / l, o[n][2 * half + 1] / l);
   }
 }
 #endif  // PREFILL_MMA

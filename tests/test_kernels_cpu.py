@@ -127,13 +127,15 @@ def test_tensor_core_decode_falls_back_to_v2_by_dtype_and_head_dim_only():
 
     assert _decode_kernel(3, None, 2, 128) == (3, build.MmaTuning())
     assert _decode_kernel(3, build.MmaTuning(partition_size=1024), 2, 64) == (3, build.MmaTuning(partition_size=1024))
-    for elem_size, head_dim in ((4, 128), (2, 8), (2, 96), (2, 32)):  # float32, or head_dim not a multiple of 64
+    for head_dim in splitk.MMA_HEAD_DIMS:  # vLLM's head sizes, 112, 120 and 192 included
+        assert _decode_kernel(3, None, 2, head_dim) == (3, build.MmaTuning())
+    for elem_size, head_dim in ((4, 128), (4, 120), (2, 8), (2, 16), (2, 32)):  # float32, or a small head_dim
         assert _decode_kernel(3, None, elem_size, head_dim) == (2, build.DecodeTuning())
     assert _decode_kernel(2, None, 2, 128) == (2, build.DecodeTuning())
     with pytest.raises(ValueError, match="v3"):
         build.mma_decode_config("float32", 128, 16, 4)
     with pytest.raises(ValueError, match="head_dim"):
-        build.mma_decode_config("bfloat16", 96, 16, 4)
+        build.mma_decode_config("bfloat16", 32, 16, 4)
 
 
 def ptxas_report(config: build.KernelConfig, entry: str, tmp_path) -> str:
@@ -160,7 +162,7 @@ def test_tensor_core_prefill_falls_back_to_v1_by_dtype_and_head_dim_only():
     for head_dim in splitk.MMA_HEAD_DIMS:
         assert _prefill_version(2, 2, head_dim) == 2
         assert build.prefill_config("float16", head_dim, 16, version=2).defines[-1] == ("PREFILL_MMA", 1)
-    for elem_size, head_dim in ((4, 128), (2, 8), (2, 96), (2, 32)):  # float32, or head_dim not a multiple of 64
+    for elem_size, head_dim in ((4, 128), (4, 120), (2, 8), (2, 16), (2, 32)):  # float32, or a small head_dim
         assert _prefill_version(2, elem_size, head_dim) == 1
     assert _prefill_version(1, 2, 128) == 1
     for bad in (0, 3):
@@ -169,7 +171,7 @@ def test_tensor_core_prefill_falls_back_to_v1_by_dtype_and_head_dim_only():
     with pytest.raises(ValueError, match="v2"):
         build.prefill_config("float32", 128, 16, version=2)
     with pytest.raises(ValueError, match="head_dim"):
-        build.prefill_config("bfloat16", 96, 16, version=2)
+        build.prefill_config("bfloat16", 32, 16, version=2)
     assert build.prefill_config("bfloat16", 128, 16) == build.prefill_config("bfloat16", 128, 16, version=1)
 
 
@@ -189,6 +191,8 @@ def test_tensor_core_prefill_shared_memory_fits_an_sm():
     # the H100/H200's 227 KB per CTA, and two CTAs per SM at head_dim <= 128.
     assert splitk.prefill_mma_shared_bytes(128) == 4 * 64 * 136 * 2
     assert splitk.prefill_mma_shared_bytes(256) == (4 * 32 + 64) * 264 * 2
+    assert splitk.prefill_mma_shared_bytes(120) == splitk.prefill_mma_shared_bytes(128)  # 120 runs padded to 128
+    assert splitk.prefill_mma_shared_bytes(192) == (4 * 32 + 64) * 200 * 2
     for head_dim in splitk.MMA_HEAD_DIMS:
         assert splitk.prefill_mma_shared_bytes(head_dim) <= 227 * 1024
     assert 2 * splitk.prefill_mma_shared_bytes(128) <= 227 * 1024

@@ -1,6 +1,6 @@
 """GPU sweeps of the stage 5 kernels: every dtype, head_dim, block_size and GQA shape against the
 float64 oracle (decode v2 and v3, prefill v1 and v2; v3 / prefill v2 fall back to v2 / v1 outside
-16-bit K/V with head_dim 64/128/256), bitwise invariance under block placement and batching,
+16-bit K/V at vLLM's head sizes 64..256), bitwise invariance under block placement and batching,
 chunked-prefill invariance, and the `cuda` backend end to end. Skips without a GPU."""
 
 import pytest

@@ -65,8 +65,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q [num_seqs, num_heads, head_dim]; k/v_cache [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables [num_seqs, max_blocks] int32; context_lens [num_seqs] int32.
     version 1 is the textbook kernel, 2 the split-K one, 3 split-K on the tensor cores (float16 /
-    bfloat16 with head_dim 64, 128 or 256; any other dtype or head_dim runs version 2 with its
-    default tuning: a choice made from the model's shapes, never from the batch). `tuning` holds
+    bfloat16 at vLLM's head sizes, splitk.MMA_HEAD_DIMS; float32 or a smaller head_dim runs version
+    2 with its default tuning: a choice made from the model's shapes, never from the batch). `tuning` holds
     the kernel's fixed design constants (a DecodeTuning for versions 1 and 2, an MmaTuning for 3;
     None: the default), exposed for benchmark experiments only: never chosen from the batch.
     """
@@ -136,8 +136,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q [num_tokens, num_heads, head_dim]; query_start_loc [num_seqs + 1] int32; the rows of sequence
     s are its last query_len context tokens (their K/V already written) -> [num_tokens, num_heads, head_dim].
     version 1 runs on CUDA cores (every dtype and head_dim), 2 on the tensor cores (float16 /
-    bfloat16 with head_dim 64, 128 or 256; anything else runs version 1: a choice made from the
-    model's shapes, never from the batch).
+    bfloat16 at vLLM's head sizes, splitk.MMA_HEAD_DIMS; anything else runs version 1: a choice
+    made from the model's shapes, never from the batch).
     """
     shape = validate.check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     version = _prefill_version(version, q.element_size(), shape.head_dim)

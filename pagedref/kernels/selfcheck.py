@@ -3,14 +3,17 @@
 One idea: memcheck and racecheck slow a program down a hundredfold, so they get one launch of each
 kernel on small sizes that still reach every code path (several partitions and a partial one, a
 partial prefill tile, GQA, each dtype, decode v1, v2 and v3 with every candidate tuning, prefill
-v1 and v2, every block size and head_dim v3 and prefill v2 take, both pool writes) and nothing else.
+v1 and v2, every block size, every kind of head_dim v3 and prefill v2 take: multiples of 64, and
+80, 96, 112, 120, 192 with their partial pieces and padding, both pool writes) and nothing else.
 
 Invariant: exits non-zero if any result is wrong, so a clean sanitizer report over a failing run
-cannot pass for success. Usage: `python -m pagedref.kernels.selfcheck`.
+cannot pass for success. Usage: `python -m pagedref.kernels.selfcheck [--head-dims 112,120,192]`
+(only the attention runs at those head dims, and no pool writes: a short sanitizer pass over them).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -30,7 +33,8 @@ def run_decode(p: testing.PagedProblem, **kw) -> torch.Tensor:
     return kernels.paged_attention_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale, **kw)
 
 
-def check_attention() -> list[str]:
+def check_attention(head_dims: set[int] | None = None) -> list[str]:
+    """Every run's error against the oracle -> its failures; `head_dims` keeps only the runs at those."""
     from pagedref.kernels.build import CANDIDATES
 
     runs = []  # (label, problem, launch)
@@ -57,6 +61,20 @@ def check_attention() -> list[str]:
                                    block_size=block_size, dtype=dtype)
         runs += [(f"prefill v2 {dtype} head_dim={head_dim} block_size={block_size}", pre,
                   lambda p=pre: run_prefill(p, version=2))]
+    # vLLM's other head sizes: v3's partial K pieces and V bands (80: 16 + 16; 96: 32; 112: 16 + 32 +
+    # 16; 120: 16 + 8 and 32 + 16 + 8; 192: three whole bands at 2 CTAs/SM), prefill v2's padding to
+    # 128 (120) and its query in shared memory (192); float32 on CUDA cores at 120.
+    for dtype, head_dim, block_size, num_heads in ((torch.float16, 80, 8, 6), (torch.bfloat16, 96, 32, 16),
+                                                   (torch.float16, 112, 16, 8), (torch.bfloat16, 120, 8, 6),
+                                                   (torch.float16, 192, 32, 16), (torch.float32, 120, 16, 8)):
+        kw = dict(num_heads=num_heads, num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=dtype)
+        dec = testing.make_problem([1, 530, 1100], **kw)
+        pre = testing.make_problem([150, 530, 7], [150, 90, 7], **kw)
+        v = 3 if dtype != torch.float32 else 2
+        runs += [(f"decode v{v} {dtype} head_dim={head_dim}", dec, lambda p=dec, v=v: run_decode(p, version=v)),
+                 (f"prefill v{v - 1} {dtype} head_dim={head_dim}", pre, lambda p=pre, v=v: run_prefill(p, version=v - 1))]
+    if head_dims is not None:
+        runs = [r for r in runs if r[1].q.shape[-1] in head_dims]
     failures = []
     for label, p, run in runs:
         err = testing.max_rel_err(run(), testing.oracle(p), p)
@@ -82,8 +100,12 @@ def check_cache_ops() -> list[str]:
     return failures
 
 
-def main() -> int:
-    failures = check_attention() + check_cache_ops()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pagedref.kernels.selfcheck", description=__doc__.split("\n")[0])
+    ap.add_argument("--head-dims", type=lambda s: {int(x) for x in s.split(",")},
+                    help="comma-separated head dims: only the attention runs at these")
+    args = ap.parse_args(argv)
+    failures = check_attention(args.head_dims) + (check_cache_ops() if args.head_dims is None else [])
     torch.cuda.synchronize()
     for f in failures:
         print("FAIL", f)
@@ -92,4 +114,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

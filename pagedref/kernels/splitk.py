@@ -26,7 +26,7 @@ MMA_PARTITION_SIZE = 1024  # the same for the tensor-core kernel (v3): fastest o
 NUM_THREADS = 128  # threads per CTA of every attention kernel
 MAX_HEADS_PER_CTA = 8  # query heads of one GQA group served by one decode CTA (register budget)
 PREFILL_ROWS = 16  # query rows per prefill CTA (4 warps x 4 rows)
-SUPPORTED_HEAD_DIMS = (8, 16, 32, 64, 80, 96, 128, 256)
+SUPPORTED_HEAD_DIMS = (8, 16, 32, 64, 80, 96, 112, 120, 128, 192, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 
 
@@ -79,15 +79,24 @@ def min_ctas_per_sm(elem_size: int, heads: int) -> int:
     return 4 if elem_size == 2 and heads * elements_per_thread(heads) <= 64 else 1
 
 
-# v3, the tensor-core decode kernel: 16-bit K/V and head_dim a multiple of 64 only (its mma
-# fragments cover 32-dim K slices and 64-dim V bands); elsewhere the launcher runs v2.
-MMA_HEAD_DIMS = (64, 128, 256)
-MMA_MIN_CTAS_PER_SM = {64: 6, 128: 4, 256: 2}  # as many CTAs as fit with no register spill (ptxas -v)
+# The tensor-core kernels (decode v3, prefill v2) take 16-bit K/V at vLLM's head sizes. v3's mma
+# fragments cover 32-dim K pieces and 64-dim V bands, plus one narrower piece or band each of 16
+# and 8 dims (80 = 64 + 16, 120 = 64 + 32 + 16 + 8); prefill v2 runs its mmas over head_dim
+# rounded up to 16 (120 -> 128, zero-padded in shared memory). float32 and the small head dims run
+# on CUDA cores (decode v2, prefill v1).
+MMA_HEAD_DIMS = (64, 80, 96, 112, 120, 128, 192, 256)
+# v3's __launch_bounds__ CTAs per SM: as many as fit with no register spill (ptxas -v)
+MMA_MIN_CTAS_PER_SM = {64: 6, 80: 5, 96: 4, 112: 4, 120: 4, 128: 4, 192: 2, 256: 2}
 
 
 def mma_supported(elem_size: int, head_dim: int) -> bool:
     """Whether the tensor-core kernels (decode v3, prefill v2) handle this element size and head_dim."""
     return elem_size == 2 and head_dim in MMA_HEAD_DIMS
+
+
+def mma_padded_head_dim(head_dim: int) -> int:
+    """The head dim prefill v2's mmas run over: head_dim rounded up to their k of 16 (120 -> 128)."""
+    return -(-head_dim // 16) * 16
 
 
 # Prefill v2, FlashAttention-2 on the tensor cores (same scope as v3: mma_supported): a CTA owns
@@ -96,15 +105,16 @@ PREFILL_MMA_ROWS = 64
 
 
 def prefill_mma_key_tile(head_dim: int) -> int:
-    """Keys per tile of prefill v2: 64, or 32 at head_dim 256 (its accumulators fill the registers)."""
-    return 64 if head_dim <= 128 else 32
+    """Keys per tile of prefill v2: 64, or 32 above head_dim 128 (its accumulators fill the registers)."""
+    return 64 if mma_padded_head_dim(head_dim) <= 128 else 32
 
 
 def prefill_mma_shared_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of prefill v2: K and V tiles, double-buffered, rows padded by 8
-    elements; at head_dim 256 also the CTA's query rows (held in registers below that)."""
-    rows = 4 * prefill_mma_key_tile(head_dim) + (0 if head_dim <= 128 else PREFILL_MMA_ROWS)
-    return rows * (head_dim + 8) * 2
+    """Dynamic shared memory of prefill v2: K and V tiles, double-buffered, rows of the padded
+    head dim plus 8 elements; above head_dim 128 also the CTA's query rows (held in registers below)."""
+    dp = mma_padded_head_dim(head_dim)
+    rows = 4 * prefill_mma_key_tile(head_dim) + (0 if dp <= 128 else PREFILL_MMA_ROWS)
+    return rows * (dp + 8) * 2
 
 
 def softmax_stats(q: np.ndarray, k: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
