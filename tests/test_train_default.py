@@ -111,13 +111,17 @@ def test_shipped_default_model_is_small_trained_and_documented():
     assert config["architectures"] == ["LlamaForCausalLM"]
     training = (d / "TRAINING.md").read_text()
     assert "sha256" in training and "eval loss" in training
-    # Trained, not random: the model predicts its own corpus far better than chance (ln 1024 = 6.93).
+    # Trained, not random: the model predicts its own corpus far better than chance (ln 1024 = 6.93). The
+    # median over every corpus file's opening, so that later edits of a few docs do not move it.
+    import statistics
+
     import torch
 
     model = load_model(d, dtype="float32")
     tok = load_tokenizer(d)
-    text = train_default.collect_corpus(train_default.REPO_ROOT)[0][1][:400]
-    ids = torch.tensor([tok.encode(text)])
-    logits = model.forward_train(ids)
-    loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
-    assert loss.item() < 4.0
+    losses = []
+    for _, text in train_default.collect_corpus(train_default.REPO_ROOT):
+        ids = torch.tensor([tok.encode(text[:400])])
+        logits = model.forward_train(ids)
+        losses.append(torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).item())
+    assert statistics.median(losses) < 2.0, f"median loss {statistics.median(losses):.2f} over the corpus"

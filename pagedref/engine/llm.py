@@ -328,7 +328,7 @@ class LLMEngine:
             num_piecewise_graph_replays=piecewise_replays - self._replays_base[1],  # other steps, in pieces
             block_size=self.block_manager.block_size,
             device=self.runner.device.type,  # where the engine runs ("auto" resolved)
-            dtype=str(self.model.lm_head.weight.dtype).removeprefix("torch."),
+            dtype=str(self.runner.dtype).removeprefix("torch."),
         )
         return stats
 

@@ -93,6 +93,7 @@ class ModelRunner:
         self.block_manager = block_manager
         self.block_size = block_size
         self.device = torch.device(device)
+        self.dtype = dtype  # of the weights' activations and the KV pool
         # CUDA graphs pad their batches; the padding rows' K/V go to scratch blocks past the managed ones.
         scratch = num_scratch_blocks(graphs.max_num_seqs, block_size) if graphs is not None else 0
         self.kv_caches = allocate_kv_caches(model.config, num_blocks + scratch, block_size, dtype, device, tp_size=tp_size)
