@@ -244,3 +244,28 @@ def test_bench_dispatch():
     assert main([]) == 2 and main(["nope"]) == 2
     if not torch.cuda.is_available():
         assert main(["kernel"]) == 1
+
+
+def test_bench_kernel_peers_argument(monkeypatch, capsys):
+    # --peers names known libraries only (argparse refuses others); a peer that does not import is a
+    # note on stderr and no rows, never a crash; one that imports is handed to the benchmark.
+    import types
+
+    from pagedref.bench import kernel
+
+    with pytest.raises(SystemExit) as exit_info:
+        kernel.main(["--peers", "vllm"])
+    assert exit_info.value.code == 2 and "invalid choice: 'vllm'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        kernel.main(["--candidates", "v9"])
+    assert exit_info.value.code == 2 and "unknown candidate(s) ['v9']" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # `import flashinfer` raises ImportError
+    assert kernel.load_peers(["flashinfer"]) == {}
+    assert "note: peer flashinfer is not importable (ModuleNotFoundError" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert kernel.main(["--peers", "flashinfer", "--no-prefill"]) == 1  # the note, then the GPU check
+        err = capsys.readouterr().err
+        assert "flashinfer is not importable" in err and "needs a CUDA GPU" in err
+    fake = types.ModuleType("flashinfer")
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    assert kernel.load_peers(["flashinfer"]) == {"flashinfer": fake}

@@ -6,20 +6,24 @@ tensor cores) reading K/V through block tables (blocks in random physical order)
 scaled_dot_product_attention on the same K/V laid out contiguously (the fastest SDPA backend
 that runs), and a plain device-to-device copy, and report
 effective bandwidth = K/V bytes read / time. Prefill (v1 on CUDA cores, v2 on the tensor cores) is
-reported in TFLOP/s against SDPA causal.
+reported in TFLOP/s against SDPA causal, for whole prompts and for a chunk after a cached context.
+`--peers flashinfer` adds FlashInfer's paged decode (tensor cores) and prefill wrappers reading the
+SAME pool (its "NHD" layout is pagedref's [num_blocks, block_size, num_kv_heads, head_dim]); a
+peer that does not import is skipped with a note.
 
 Invariant: every timing is the median of many CUDA-event-timed repetitions after warm-up, with the
 work captured in a CUDA graph where possible (so Python launch overhead is not measured), over
-enough buffer sets that the working set exceeds 3x the L2 cache (the decode shapes here are each
-0.5-1 GB, so one set already streams from HBM); no number is asserted, only reported.
+enough buffer sets that the working set exceeds 3x the L2 cache; competitors of one shape are timed
+in interleaved rounds; no number is asserted, only reported.
 Usage: `python -m pagedref.bench kernel [--json [PATH]] [--variants] [--reps N] [--no-prefill]
-[--skip-version 3] [--skip-prefill-version 2]`
+[--candidates NAME ...] [--peers flashinfer] [--skip-version 3] [--skip-prefill-version 2]`
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import math
 import statistics
@@ -28,12 +32,15 @@ import warnings
 
 import torch
 
-DECODE_SHAPES = ((64, 4096), (256, 1024), (8, 32768), (1, 131072))  # (batch, context)
-PREFILL_SHAPES = ((4, 2048), (1, 8192))  # (batch, prompt length)
+DECODE_SHAPES = ((64, 4096), (256, 1024), (8, 32768), (32, 512), (256, 512), (1, 131072))  # (batch, context)
+# (batch, query rows, context): whole causal prompts, and a chunk of 2048 rows after 6144 cached tokens
+PREFILL_SHAPES = ((4, 2048, 2048), (1, 8192, 8192), (1, 2048, 8192), (16, 512, 512))
 PREFILL_VERSIONS = (1, 2)  # v1 on CUDA cores (the default), v2 on the tensor cores
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 ROUNDS = 3  # interleaved timing rounds per comparison (see time_rounds)
+PEERS = ("flashinfer",)  # other paged-attention libraries --peers can time on the same pool
+PEER_WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
 
 
 def prepare(fns, warmup: int = 5, graph: bool = True) -> tuple[list, bool]:
@@ -111,6 +118,58 @@ def copy_bandwidth(reps: int) -> tuple[float, str]:
     return best[how], f"torch copy_, {how}"
 
 
+def load_peers(names: list[str]) -> dict:
+    """{name: module} of the requested peers that import; each that does not is skipped with a note."""
+    found = {}
+    for name in names:
+        try:
+            found[name] = importlib.import_module(name)
+        except Exception as e:  # not installed, or a broken install: either way no rows for it
+            print(f"note: peer {name} is not importable ({type(e).__name__}: {e}); its rows are skipped",
+                  file=sys.stderr)
+    return found
+
+
+def peer_calls(name: str, make) -> list | None:
+    """make() -> the peer's calls for one shape, each run once here; None (with a note) if any fails, so a
+    peer that cannot run a shape (a JIT compile error, an unsupported layout) costs its row, not the run."""
+    try:
+        calls = make()
+        for call in calls:
+            call()
+        torch.cuda.synchronize()
+        return calls
+    except Exception as e:
+        print(f"note: peer {name} failed on this shape ({type(e).__name__}: {e}); its row is skipped", file=sys.stderr)
+        return None
+
+
+def flashinfer_decode(fi, case: "DecodeCase"):
+    """FlashInfer's tensor-core paged decode planned on `case`'s pool -> a call writing its output."""
+    nb = case.context // BLOCK_SIZE
+    indptr = torch.arange(0, (case.batch + 1) * nb, nb, dtype=torch.int32, device="cuda")
+    last = torch.full((case.batch,), BLOCK_SIZE, dtype=torch.int32, device="cuda")
+    workspace = torch.zeros(PEER_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+    wrapper.plan(indptr, case.block_tables.reshape(-1), last, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                 q_data_type=DTYPE, kv_data_type=DTYPE, sm_scale=HEAD_DIM**-0.5)
+    out = torch.empty_like(case.q)
+    return lambda: wrapper.run(case.q, (case.k_cache, case.v_cache), out=out)
+
+
+def flashinfer_prefill(fi, case: "DecodeCase", q: torch.Tensor, query_len: int, out: torch.Tensor):
+    """FlashInfer's causal paged prefill of q (each sequence's last query_len rows) on `case`'s pool."""
+    nb = case.context // BLOCK_SIZE
+    qo_indptr = torch.arange(0, (case.batch + 1) * query_len, query_len, dtype=torch.int32, device="cuda")
+    kv_indptr = torch.arange(0, (case.batch + 1) * nb, nb, dtype=torch.int32, device="cuda")
+    last = torch.full((case.batch,), BLOCK_SIZE, dtype=torch.int32, device="cuda")
+    workspace = torch.zeros(PEER_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(qo_indptr, kv_indptr, case.block_tables.reshape(-1), last, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                 BLOCK_SIZE, causal=True, q_data_type=DTYPE, kv_data_type=DTYPE, sm_scale=HEAD_DIM**-0.5)
+    return lambda: wrapper.run(q, (case.k_cache, case.v_cache), out=out)
+
+
 class DecodeCase:
     """One (batch, context) decode problem: a paged pool in random block order plus its contiguous copy."""
 
@@ -171,32 +230,46 @@ def sdpa_variants(q, k, v, causal: bool) -> dict:
     return found
 
 
-def bench_decode(batch: int, context: int, reps: int, skip_version: int | None = None) -> dict:
-    """Every candidate tuning and every SDPA variant on one decode shape, timed side by side in rounds."""
+def bench_decode(batch: int, context: int, reps: int, skip_version: int | None = None,
+                 candidates: list[str] | None = None, peers: dict | None = None) -> dict:
+    """Every candidate tuning (or those named), every SDPA variant and each peer on one decode shape,
+    timed side by side in rounds."""
     from pagedref.kernels.build import CANDIDATES
 
     first = DecodeCase(batch, context)
     cases = [first] + [DecodeCase(batch, context, seed=i) for i in range(1, num_sets(first.kv_bytes))]
     gb = first.kv_bytes / 1e9
-    tunings = {name: t for name, t in CANDIDATES.items() if t.version != skip_version}
+    tunings = {name: t for name, t in CANDIDATES.items()
+               if t.version != skip_version and (candidates is None or name in candidates or name == "default")}
     k, v = first.contiguous_kv()
     sdpa = sdpa_variants(first.q.unsqueeze(2), k, v, causal=False)  # q as [B, H, 1, D]
     named = {name: [lambda c=c, t=t: c.run(version=t.version, tuning=t) for c in cases] for name, t in tunings.items()}
     named.update({f"sdpa {name}": [fn] for name, fn in sdpa.items()})
+    peer_fns = {}
+    if peers and "flashinfer" in peers:
+        peer_fns["flashinfer"] = peer_calls("flashinfer", lambda: [flashinfer_decode(peers["flashinfer"], c) for c in cases])
+    peer_fns = {name: calls for name, calls in peer_fns.items() if calls}
+    named.update({f"peer {name}": calls for name, calls in peer_fns.items()})
     timed = time_rounds(named, reps)
     sdpa_ms = {name: timed[f"sdpa {name}"][0] for name in sdpa}
     best = min(sdpa_ms, key=sdpa_ms.get)
     ref = sdpa[best]().squeeze(2).float()
-    candidates = {}
+    candidates, peer_rows = {}, {}
     for name, t in tunings.items():
         ms, graphed = timed[name]
         out = first.run(version=t.version, tuning=t).float()
         candidates[name] = {"ms": ms, "GBps": gb / ms * 1e3, "graphed": graphed,
                             "rel_err_vs_sdpa": ((out - ref).norm() / ref.norm()).item()}
+    for name, calls in peer_fns.items():
+        ms, graphed = timed[f"peer {name}"]
+        out = calls[0]().float()
+        peer_rows[name] = {"ms": ms, "GBps": gb / ms * 1e3, "graphed": graphed,
+                           "rel_err_vs_sdpa": ((out - ref).norm() / ref.norm()).item()}
     return {"batch": batch, "context": context, "kv_GB": gb, "buffer_sets": len(cases), "rounds": ROUNDS,
             "kernel_ms": candidates["default"]["ms"], "kernel_GBps": candidates["default"]["GBps"],
             "candidates": candidates, "sdpa_backend": best, "sdpa_ms": sdpa_ms[best], "sdpa_all_ms": sdpa_ms,
-            "sdpa_GBps": gb / sdpa_ms[best] * 1e3, "rel_err_vs_sdpa": candidates["default"]["rel_err_vs_sdpa"]}
+            "sdpa_GBps": gb / sdpa_ms[best] * 1e3, "rel_err_vs_sdpa": candidates["default"]["rel_err_vs_sdpa"],
+            "peers": peer_rows}
 
 
 def variants() -> list[tuple[str, object]]:
@@ -227,38 +300,60 @@ def bench_variants(reps: int, skip_version: int | None = None) -> list[dict]:
     return rows
 
 
-def bench_prefill(batch: int, length: int, reps: int, skip_version: int | None = None) -> dict:
-    """Causal prefill of `batch` prompts of `length` tokens: each prefill kernel version and SDPA."""
+def bench_prefill(batch: int, query_len: int, context: int, reps: int, skip_version: int | None = None,
+                  peers: dict | None = None) -> dict:
+    """Causal prefill of `batch` sequences' last `query_len` rows over `context` tokens (a whole prompt
+    when they are equal, else a chunk after a cached prefix): each prefill kernel version, SDPA (whole
+    prompts only: its causal mask is the top-left one) and each peer, on one pool."""
     from pagedref.kernels import paged_prefill
 
     gen = torch.Generator(device="cuda").manual_seed(1)
-    case = DecodeCase(batch, length)
-    q = torch.randn(batch * length, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
-    qsl = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device="cuda")
+    case = DecodeCase(batch, context)
+    q = torch.randn(batch * query_len, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
+    qsl = torch.arange(0, batch * query_len + 1, query_len, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
-
-    k, v = case.contiguous_kv()
-    qs = q.view(batch, length, NUM_HEADS, HEAD_DIM).transpose(1, 2)
-    sdpa = sdpa_variants(qs, k, v, causal=True)
     versions = [v for v in PREFILL_VERSIONS if v != skip_version]
 
     def ours(version: int):
         paged_prefill(q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, qsl, HEAD_DIM**-0.5,
-                      max_query_len=length, max_context_len=length, out=out, check=False, version=version)
+                      max_query_len=query_len, max_context_len=context, out=out, check=False, version=version)
     named = {f"v{version}": [lambda version=version: ours(version)] for version in versions}
+    sdpa = {}
+    if query_len == context:
+        k, v = case.contiguous_kv()
+        sdpa = sdpa_variants(q.view(batch, query_len, NUM_HEADS, HEAD_DIM).transpose(1, 2), k, v, causal=True)
     named.update({f"sdpa {name}": [fn] for name, fn in sdpa.items()})
+    peer_out = {name: torch.empty_like(q) for name in (peers or {})}
+    if peers and "flashinfer" in peers:
+        calls = peer_calls("flashinfer", lambda: [flashinfer_prefill(peers["flashinfer"], case, q, query_len,
+                                                                     peer_out["flashinfer"])])
+        if calls:
+            named["peer flashinfer"] = calls
+    peer_out = {name: o for name, o in peer_out.items() if f"peer {name}" in named}
     timed = time_rounds(named, reps)
-    sdpa_ms = {name: timed[f"sdpa {name}"][0] for name in sdpa}
-    best = min(sdpa_ms, key=sdpa_ms.get)
-    ref = sdpa[best]().float()
-    flops = 4 * batch * NUM_HEADS * HEAD_DIM * length * (length + 1) / 2  # causal: QK and PV, 2 flop/FMA
-    res = {"batch": batch, "length": length, "rounds": ROUNDS, "sdpa_backend": best, "sdpa_ms": sdpa_ms[best],
-           "sdpa_all_ms": sdpa_ms, "sdpa_TFLOPs": flops / sdpa_ms[best] / 1e9, "versions": {}}
+    # causal (query row, key) pairs: each of a sequence's rows sees the cached prefix and the rows up to itself
+    pairs = batch * (query_len * (context - query_len) + query_len * (query_len + 1) / 2)
+    flops = 4 * NUM_HEADS * HEAD_DIM * pairs  # QK and PV, 2 flop per FMA
+    res = {"batch": batch, "length": query_len, "context": context, "rounds": ROUNDS, "versions": {}, "peers": {}}
+    ours(max(versions))
+    ref = out.float().clone()  # error reference: our default kernel where SDPA cannot run this mask
+    if sdpa:
+        sdpa_ms = {name: timed[f"sdpa {name}"][0] for name in sdpa}
+        best = min(sdpa_ms, key=sdpa_ms.get)
+        ref = sdpa[best]().transpose(1, 2).reshape(batch * query_len, NUM_HEADS, HEAD_DIM).float()
+        res.update(sdpa_backend=best, sdpa_ms=sdpa_ms[best], sdpa_all_ms=sdpa_ms, sdpa_TFLOPs=flops / sdpa_ms[best] / 1e9)
+    res["error_reference"] = "sdpa" if sdpa else f"v{max(versions)}"
+
+    def row(name: str, result: torch.Tensor) -> dict:
+        ms, graphed = timed[name]
+        return {"ms": ms, "TFLOPs": flops / ms / 1e9, "graphed": graphed,
+                "rel_err": ((result.float() - ref).norm() / ref.norm()).item()}
     for version in versions:
-        ms = timed[f"v{version}"][0]
         ours(version)
-        err = ((out.view(batch, length, NUM_HEADS, HEAD_DIM).transpose(1, 2).float() - ref).norm() / ref.norm()).item()
-        res["versions"][version] = {"ms": ms, "TFLOPs": flops / ms / 1e9, "rel_err_vs_sdpa": err}
+        res["versions"][version] = row(f"v{version}", out)
+    for name in peer_out:
+        named[f"peer {name}"][0]()
+        res["peers"][name] = row(f"peer {name}", peer_out[name])
     return res
 
 
@@ -274,17 +369,31 @@ def print_table(res: dict) -> None:
               f"{r['kernel_GBps']:>6.0f} | {r['sdpa_ms'] * 1e3:>8.1f} {r['sdpa_GBps']:>6.0f} {r['sdpa_backend']:<22} | "
               f"{r['kernel_GBps'] / r['sdpa_GBps']:>6.1%} {r['kernel_GBps'] / res['copy_GBps']:>6.1%} | "
               f"{r['rel_err_vs_sdpa']:>7.1e}")
+        for name, peer in r.get("peers", {}).items():
+            print(f"{'':>20} | {name}: {peer['ms'] * 1e3:.1f} us {peer['GBps']:.0f} GB/s"
+                  f"{'' if peer['graphed'] else ' (eager)'}; ours at {r['kernel_GBps'] / peer['GBps']:.1%} of it; "
+                  f"err vs SDPA {peer['rel_err_vs_sdpa']:.1e}")
     for r in res.get("variants", []):
         print(f"  (64, 4096) {r['variant']:<68} {r['ms'] * 1e3:>7.1f} us {r['GBps']:>5.0f} GB/s")
     if res.get("prefill"):
-        print(f"prefill bf16 causal, same heads: TFLOP/s = 4 * B * H * d * L(L+1)/2 / time")
-        for r in res["prefill"]:
-            print(f"  batch {r['batch']} x {r['length']}: SDPA {r['sdpa_backend']} {r['sdpa_ms']:.2f} ms "
-                  f"{r['sdpa_TFLOPs']:.1f} TFLOP/s")
-            for version, v in r["versions"].items():
-                print(f"    ours v{version}: {v['ms']:.2f} ms {v['TFLOPs']:.1f} TFLOP/s | "
-                      f"{v['TFLOPs'] / r['sdpa_TFLOPs']:.1%} of SDPA | err {v['rel_err_vs_sdpa']:.1e}")
+        print_prefill(res["prefill"])
     print_candidates(res)
+
+
+def print_prefill(rows: list[dict]) -> None:
+    print("prefill bf16 causal, same heads and pool: TFLOP/s = 4 * H * d * causal (row, key) pairs / time")
+    for r in rows:
+        sdpa = (f"SDPA {r['sdpa_backend']} {r['sdpa_ms'] * 1e3:.0f} us {r['sdpa_TFLOPs']:.0f} TFLOP/s"
+                if "sdpa_ms" in r else "SDPA: - (a chunk after a cached prefix is not its causal mask)")
+        print(f"  batch {r['batch']} x {r['length']} rows, context {r['context']}: {sdpa}")
+        entries = [(f"ours v{v}", x) for v, x in r["versions"].items()] + list(r.get("peers", {}).items())
+        for name, x in entries:
+            share = f" | {x['TFLOPs'] / r['sdpa_TFLOPs']:.0%} of SDPA" if "sdpa_ms" in r else ""
+            if name.startswith("ours"):
+                share += "".join(f" | {x['TFLOPs'] / y['TFLOPs']:.0%} of {p}" for p, y in r.get("peers", {}).items())
+            eager = " (eager)" if x.get("graphed") is False else ""
+            print(f"    {name}: {x['ms'] * 1e3:.0f} us {x['TFLOPs']:.0f} TFLOP/s{eager}{share} | "
+                  f"err vs {r['error_reference']} {x['rel_err']:.1e}")
 
 
 def print_candidates(res: dict) -> None:
@@ -304,11 +413,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=50, help="timed repetitions per measurement (median reported)")
     ap.add_argument("--variants", action="store_true", help="also time partition sizes, unrolls and v1 at (64, 4096)")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--candidates", nargs="+", metavar="NAME", help="time only these decode tunings (and the "
+                    "default, always); default: every one of build.CANDIDATES")
+    ap.add_argument("--peers", nargs="+", choices=PEERS, default=[], help="also time these libraries' paged "
+                    "kernels on the same pool (skipped with a note when they do not import)")
     ap.add_argument("--skip-version", type=int, choices=(3,), help="time no tuning of this decode kernel version "
                     "(device_check.sh passes 3 when v3 failed its self-check: a fault would end the whole run)")
     ap.add_argument("--skip-prefill-version", type=int, choices=(2,), help="time prefill v1 only (device_check.sh "
                     "passes 2 when prefill v2 failed its self-check)")
     args = ap.parse_args(argv)
+    from pagedref.kernels.build import CANDIDATES
+
+    unknown = sorted(set(args.candidates or []) - set(CANDIDATES))
+    if unknown:
+        ap.error(f"unknown candidate(s) {unknown}: choose from {sorted(CANDIDATES)}")
+    peers = load_peers(args.peers)  # before the GPU check: a missing peer is a note wherever it runs
     if not torch.cuda.is_available():
         print("the kernel benchmark needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -320,12 +439,13 @@ def main(argv: list[str] | None = None) -> int:
            "gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
            "torch": torch.__version__, "cupy": cupy.__version__}
     res["copy_GBps"], res["copy_method"] = copy_bandwidth(args.reps)
-    res["decode"] = [bench_decode(b, c, args.reps, args.skip_version) for b, c in DECODE_SHAPES]
+    res["peers"] = {name: getattr(mod, "__version__", "?") for name, mod in peers.items()}
+    res["decode"] = [bench_decode(b, c, args.reps, args.skip_version, args.candidates, peers) for b, c in DECODE_SHAPES]
     if args.variants:
         res["variants"] = bench_variants(args.reps, args.skip_version)
     if not args.no_prefill:
-        res["prefill"] = [bench_prefill(b, n, max(5, args.reps // 5), args.skip_prefill_version)
-                          for b, n in PREFILL_SHAPES]
+        res["prefill"] = [bench_prefill(b, n, c, max(5, args.reps // 5), args.skip_prefill_version, peers)
+                          for b, n, c in PREFILL_SHAPES]
     if args.json:
         text = json.dumps(res, indent=2)
         if args.json == "-":
