@@ -49,6 +49,14 @@ NORM_TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 CASES = [(h, d, b, t) for h in NUM_HEADS for d in HEAD_SIZES for b in BLOCK_SIZES for t in DTYPES]
 
 
+@pytest.fixture(autouse=True)
+def release_the_pool():
+    """A case's pool is up to 11 GB (fp32, head size 256): give it back to the device after each case,
+    so test processes running side by side do not hold several."""
+    yield
+    torch.cuda.empty_cache()
+
+
 def case_id(num_heads, head_size, block_size, dtype) -> str:
     return f"{num_heads[0]}x{num_heads[1]}-d{head_size}-b{block_size}-{str(dtype).split('.')[-1]}"
 
@@ -108,7 +116,7 @@ class Pool:
         n, rows, d = k.shape[0], q.shape[0], self.head_size
         group = self.num_heads // self.num_kv_heads
         out = torch.empty(rows, self.num_heads, d, dtype=torch.float64, device="cuda")
-        step = max(1, (1 << 28) // (self.num_heads * n))  # rows per chunk: scores of at most 2 GB
+        step = max(1, (1 << 27) // (self.num_heads * n))  # rows per chunk: scores of at most 1 GB
         for r0 in range(0, rows, step):
             qc = q[r0 : r0 + step].double().view(-1, self.num_kv_heads, group, d)  # [r, Hkv, G, d]
             scores = torch.einsum("rhgd,khd->hgrk", qc, k) * self.scale  # [Hkv, G, r, n]
@@ -144,9 +152,9 @@ def test_decode_matrix(num_heads, head_size, block_size, dtype):
     q = torch.empty(NUM_SEQS, num_heads[0], head_size, dtype=dtype, device="cuda")
     q.uniform_(-pool.scale, pool.scale, generator=gen)
 
-    def run(rows: slice) -> torch.Tensor:
-        return kernels.paged_attention_decode(q[rows], pool.k_cache, pool.v_cache, pool.block_tables[rows],
-                                              pool.context_lens[rows], pool.scale,
+    def run(rows: slice) -> torch.Tensor:  # (a slice is copied: the kernels take 16-byte aligned tensors)
+        return kernels.paged_attention_decode(q[rows].clone(), pool.k_cache, pool.v_cache, pool.block_tables[rows].clone(),
+                                              pool.context_lens[rows].clone(), pool.scale,
                                               out=torch.full_like(q[rows], float("nan")))
     out = run(slice(None))
     ref = torch.cat([pool.oracle(q[s : s + 1], s) for s in range(NUM_SEQS)])
@@ -175,9 +183,9 @@ def test_prefix_prefill_matrix(num_heads, head_size, block_size, dtype):
     def run(seqs: slice) -> torch.Tensor:
         lens = query_lens[seqs]
         qsl = torch.tensor([0] + [sum(lens[: i + 1]) for i in range(len(lens))], dtype=torch.int32, device="cuda")
-        rows = q[starts[seqs.start or 0] : starts[seqs.stop if seqs.stop is not None else NUM_SEQS]]
-        return kernels.paged_prefill(rows, pool.k_cache, pool.v_cache, pool.block_tables[seqs], pool.context_lens[seqs],
-                                     qsl, pool.scale, out=torch.full_like(rows, float("nan")))
+        rows = q[starts[seqs.start or 0] : starts[seqs.stop if seqs.stop is not None else NUM_SEQS]].clone()
+        return kernels.paged_prefill(rows, pool.k_cache, pool.v_cache, pool.block_tables[seqs].clone(),
+                                     pool.context_lens[seqs].clone(), qsl, pool.scale, out=torch.full_like(rows, float("nan")))
     out = run(slice(None))
     ref = torch.cat([pool.oracle(q[starts[s] : starts[s + 1]], s) for s in range(NUM_SEQS)])
     check(out, ref, dtype, PREFILL_TOL, f"prefix prefill, query lengths {query_lens}, context lengths {context_lens}")

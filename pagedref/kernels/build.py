@@ -17,7 +17,6 @@ import functools
 import itertools
 import multiprocessing
 import os
-import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -178,9 +177,9 @@ def print_ci_configs() -> None:
 
 
 def _compile(config: KernelConfig) -> None:
-    """Compile one config (fetching its first kernel makes CuPy compile the module and cache it on disk)."""
-    first = re.search(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(', config.source.read_text())
-    function(config, first.group(1))
+    """Compile one config: CuPy compiles the module and keeps the binary in its on-disk cache. (Not by
+    fetching a kernel by name: a file may name its kernels through a macro.)"""
+    module(config).compile()
 
 
 def precompile(configs: list[KernelConfig] | None = None, jobs: int | None = None) -> int:
