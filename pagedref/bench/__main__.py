@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("kernel", "memory", "serve", "latency", "step", "profile")
+BENCHMARKS = ("kernel", "memory", "serve", "latency", "step", "profile", "online")
 
 
 def main(argv: list[str]) -> int:
