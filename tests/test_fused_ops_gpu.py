@@ -406,12 +406,12 @@ def bench(layers: int = 32, tokens: int = 256, hidden: int = 4096, heads: int = 
             print(f"(kernel count unavailable: {exc})")
             return -1
 
-    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    copy_ms = graph_ms(lambda: big.clone())
-    bw = 2 * big.numel() / copy_ms / 1e9  # TB/s: read + write
+    src, dst = (torch.empty(1 << 28, dtype=torch.float32, device=dev) for _ in range(2))  # 1 GiB each
+    copy_ms = graph_ms(lambda: dst.copy_(src))
+    bw = 2 * 4 * src.numel() / copy_ms / 1e9  # TB/s: read + write
     print(f"shape: {layers} layers, {tokens} tokens, hidden {hidden}, heads {heads}/{kv_heads}, head_dim {head_dim}, "
           f"intermediate {inter}, {dtype}; {torch.cuda.get_device_name()}")
-    print(f"copy bandwidth (1 GiB clone): {bw:.2f} TB/s")
+    print(f"copy bandwidth (1 GiB device-to-device copy_): {bw:.2f} TB/s")
     t_torch, t_fused = graph_ms(torch_ops), graph_ms(fused_ops)
     n_torch, n_fused = launches(torch_ops), launches(fused_ops)
     per_layer = (one["fused_add_rms_norm"][1] * 2 + one["rotary_embedding_and_cache"][1] + one["silu_mul"][1])

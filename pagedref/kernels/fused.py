@@ -96,17 +96,35 @@ def _ptr(t: torch.Tensor | None) -> np.uint64:
 # --- checks --------------------------------------------------------------------------------------------
 
 def _check_rows(t, name: str, like: torch.Tensor | None = None, cols: int | None = None) -> None:
-    """A contiguous [num_tokens, cols] activation (of like's dtype, device and shape when given)."""
+    """A contiguous [num_tokens, cols] activation (of like's dtype, device and shape when given); its
+    alignment is checked at launch, against the vector width."""
     dtypes = (like.dtype,) if like is not None else validate.FLOAT_DTYPES
-    validate.check_tensor(t, name, "[num_tokens, hidden]", 2, dtypes, like.device if like is not None else None)
+    _check_index(t, name, "[num_tokens, hidden]", 2, dtypes, like.device if like is not None else None)
     if like is not None and t.shape != like.shape:
         raise ValueError(f"{name} shape {tuple(t.shape)} != {tuple(like.shape)}")
     if cols is not None and t.shape[1] != cols:
         raise ValueError(f"{name} must have {cols} columns, got shape {tuple(t.shape)}")
 
 
+def _check_index(t, name: str, layout: str, ndim: int, dtypes: tuple | torch.dtype, device) -> None:
+    """validate.check_tensor but for its 16-byte start: these kernels need only their vector width's
+    alignment (`_check_aligned`), and slots, positions and the cos/sin tables are read one element at a
+    time, so a slice of a larger tensor (a batch's rows) is fine."""
+    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other arguments are on {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
+
+
 def _check_weight(weight, x: torch.Tensor) -> None:
-    validate.check_tensor(weight, "weight", "[hidden]", 1, (x.dtype,), x.device)
+    _check_index(weight, "weight", "[hidden]", 1, x.dtype, x.device)
     if weight.shape[0] != x.shape[1]:
         raise ValueError(f"weight has {weight.shape[0]} elements for rows of {x.shape[1]}")
 
@@ -145,7 +163,7 @@ def _check_aligned(width: int, **tensors) -> None:
 
 def _check_tables(tables: RotaryTables, num_tokens: int, head_dim: int, device, check_values: bool) -> None:
     for name, t in (("cos", tables.cos), ("sin", tables.sin)):
-        validate.check_tensor(t, name, "[rows, head_dim / 2] float32", 2, (torch.float32,), device)
+        _check_index(t, name, "[rows, head_dim / 2] float32", 2, torch.float32, device)
         if t.shape[1] != head_dim // 2:
             raise ValueError(f"{name} has {t.shape[1]} columns, head_dim {head_dim} needs {head_dim // 2}")
     if tables.sin.shape != tables.cos.shape:
@@ -155,7 +173,7 @@ def _check_tables(tables: RotaryTables, num_tokens: int, head_dim: int, device, 
         if rows != num_tokens:
             raise ValueError(f"without positions, cos/sin are the tokens' own rows: {rows} rows for {num_tokens} tokens")
         return
-    validate.check_tensor(tables.positions, "positions", "[num_tokens] int64", 1, (torch.int64,), device)
+    _check_index(tables.positions, "positions", "[num_tokens] int64", 1, torch.int64, device)
     if tables.positions.shape[0] != num_tokens:
         raise ValueError(f"positions has {tables.positions.shape[0]} entries for {num_tokens} tokens")
     if check_values and num_tokens:
@@ -184,7 +202,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
     out = torch.empty_like(x) if out is None else out
     _check_rows(out, "out", like=x)
     validate.require_cuda(x, "x")
-    _norm("rms_norm", x, (_ptr(out), _ptr(x)), weight, eps)
+    _norm("rms_norm", x, dict(out=out, x=x), weight, eps)
     return out
 
 
@@ -204,17 +222,19 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if out.numel() and out.data_ptr() == residual_out.data_ptr():
         raise ValueError("out and residual_out must be different tensors")
     validate.require_cuda(x, "x")
-    _norm("fused_add_rms_norm", x, (_ptr(out), _ptr(x), _ptr(residual), _ptr(residual_out)), weight, eps)
+    _norm("fused_add_rms_norm", x, dict(out=out, x=x, residual=residual, residual_out=residual_out), weight, eps)
     return out, residual_out
 
 
-def _norm(name: str, x: torch.Tensor, ptrs: tuple, weight: torch.Tensor, eps: float) -> None:
+def _norm(name: str, x: torch.Tensor, rows: dict, weight: torch.Tensor, eps: float) -> None:
+    """Launch `name` over the row tensors `rows` (in the kernel's argument order)."""
     num_tokens, hidden = x.shape
+    width = vec_width(hidden, x.element_size())
+    _check_aligned(width, weight=weight, **rows)
     if num_tokens == 0:
         return
-    width = vec_width(hidden, x.element_size())
     _launch(x.dtype, f"{name}_w{width}", x.device, (num_tokens,), norm_threads(hidden, width),
-            (*ptrs, _ptr(weight), np.int64(hidden), np.int32(hidden), np.float32(eps)))
+            (*map(_ptr, rows.values()), _ptr(weight), np.int64(hidden), np.int32(hidden), np.float32(eps)))
 
 
 # --- SiLU and multiply -------------------------------------------------------------------------------
@@ -245,7 +265,7 @@ def _silu(like: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, in_stride: i
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     validate.require_cuda(like, "gate")
     width = vec_width(n, like.element_size())
-    _check_aligned(width, up=up)  # the up half of a gate_up row starts n elements in
+    _check_aligned(width, gate=gate, up=up, out=out)  # (the up half of a gate_up row starts n elements in)
     chunks = -(-n // (width * SILU_THREADS))
     if num_tokens == 0 or n == 0:
         return out
@@ -293,7 +313,7 @@ def _rope(q, k, v, k_cache, v_cache, slot_mapping, tables: RotaryTables, check: 
         if v_cache.shape != k_cache.shape or k_cache.shape[2:] != k.shape[1:]:
             raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
                              f"[num_blocks, block_size, {num_kv_heads}, {head_dim}] to match k")
-        validate.check_tensor(slot_mapping, "slot_mapping", "[num_tokens] int64", 1, (torch.int64,), q.device)
+        _check_index(slot_mapping, "slot_mapping", "[num_tokens] int64", 1, torch.int64, q.device)
         if slot_mapping.shape[0] != num_tokens:
             raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {num_tokens} tokens")
     _check_tables(tables, num_tokens, head_dim, q.device, check)
