@@ -44,6 +44,10 @@ class Server(uvicorn.Server):
         host, self.port = self.servers[0].sockets[0].getsockname()[:2]
         print(f"{READY} http://{_url_host(self.config.host)}:{self.port}", file=sys.stderr, flush=True)
 
+    def handle_exit(self, sig, frame) -> None:
+        self.engine.accepting = False  # at once: uvicorn notices should_exit only at its next 0.1 s tick
+        super().handle_exit(sig, frame)
+
     async def shutdown(self, sockets=None) -> None:
         engine = self.engine
         engine.accepting = False
