@@ -233,6 +233,12 @@ def test_chat_completions_render_the_models_template_and_equal_generate(tmp_path
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
         assert chunks[-1].choices[0].finish_reason == want.finish_reason
+        lp = client.chat.completions.create(model="chat", messages=messages, temperature=0, max_tokens=10, logprobs=True,
+                                            top_logprobs=2).choices[0].logprobs.content
+        w = reference.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=10, logprobs=2))[0].outputs[0]
+        assert [t.logprob for t in lp] == [d[i].logprob for i, d in zip(w.token_ids, w.logprobs)]
+        assert [[x.logprob for x in t.top_logprobs] for t in lp] == \
+            [[x.logprob for x in sorted(d.values(), key=lambda x: x.rank)] for d in w.logprobs]
         bad = post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, key=None)
         assert error_of(bad, 400)["param"] == "messages"
     llm.close()

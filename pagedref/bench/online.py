@@ -31,7 +31,6 @@ import json
 import os
 import queue
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -214,13 +213,6 @@ class ServerProcess:
             return None
 
 
-def raise_open_file_limit() -> None:
-    """One socket per request in flight: `inf` opens --num-prompts at once, past the usual soft limit of 1024."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536), hard))
-
-
 # ------------------------------------------------------------------------------------------------ report
 
 
@@ -369,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     if too_long:
         parser.error(f"{len(too_long)} requests are longer than the model's {min(max_len, MAX_MODEL_LEN)} positions: "
                      "fix their lengths with --input-len and --output-len")
-    raise_open_file_limit()
+    from pagedref.serve.server import raise_open_file_limit
+
+    raise_open_file_limit()  # rate inf opens --num-prompts sockets at once (the server started here inherits it)
     dtype = "bfloat16" if device == "cuda" else "float32"
     llm_kwargs = engine_args(device, dtype, args.num_kv_blocks, args.max_num_seqs, args.max_num_batched_tokens,
                              args.gpu_memory_utilization, args.enforce_eager)

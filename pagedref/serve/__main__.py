@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pagedref import LLM
     from pagedref.serve.api import ServerConfig, build_app
-    from pagedref.serve.server import Server
+    from pagedref.serve.server import Server, raise_open_file_limit
 
     try:
         llm = LLM(**engine_kwargs(args, model_dir, device), seed=args.seed)
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
                                 timeout_graceful_shutdown=max(args.shutdown_timeout, 1.0) + 5.0, lifespan="on")
         server = Server(config, app.state.engine, args.shutdown_timeout)
+        raise_open_file_limit()
         server.run()
         if not server.started:  # the socket could not be bound (uvicorn logged why)
             return 1
