@@ -12,6 +12,12 @@ class and function keeps its signature and docstring and gets a body that raises
 fields and exception classes are kept as they are (they are not the lesson). Modules that are not
 lessons are not copied: the skeleton imports them from `pagedref` itself.
 
+`init --from-stage N` writes the reference code of the stages before N (its imports pointing at the
+learner's package) and skeletons from N on; past the last stage it is a copy of the whole reference,
+which `mutants` mutates: each wrong version kept under tests/mutations/ must fail a stage test whose
+message names the lesson's rule. `interface` writes each lesson's "The interface" block, generated from
+the same docstrings and declarations the skeleton keeps, so the lesson and the skeleton state one text.
+
 Invariant: for every lesson module, the skeleton defines the same public names, with the same
 signatures, as the reference; `python -m pagedref.course list` shows the stages.
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import enum
 import importlib
 import importlib.util
@@ -27,7 +34,10 @@ import io
 import json
 import os
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import tokenize
 import typing
 from dataclasses import dataclass
@@ -59,6 +69,28 @@ def lesson(module: str) -> ModuleType:
     if not module.startswith(REFERENCE):
         raise ValueError(f"lesson() takes a pagedref module name, got {module!r}")
     return importlib.import_module(_impl + module[len(REFERENCE):])
+
+
+@contextlib.contextmanager
+def raises(expected: type[BaseException] | tuple[type[BaseException], ...], rule: str, match: str | None = None):
+    """`pytest.raises` for the stage tests, whose failure states the lesson's rule:
+    `with raises(contig.MaxModelLenError, "stage 1: admit refuses max_len > max_model_len"): ...`.
+    `match` is a regex the error's message must contain. A skeleton's NotImplementedError passes
+    through unchanged: it names what to write."""
+    __tracebackhide__ = True
+    names = " or ".join(e.__name__ for e in (expected if isinstance(expected, tuple) else (expected,)))
+    try:
+        yield
+    except NotImplementedError:
+        raise
+    except expected as e:
+        if match is not None and not re.search(match, str(e)):
+            raise AssertionError(f"{rule} (a {type(e).__name__} was raised, but its message {str(e)!r} "
+                                 f"does not contain {match!r})") from e
+        return
+    except Exception as e:
+        raise AssertionError(f"{rule} (expected {names}, got {type(e).__name__}: {e})") from e
+    raise AssertionError(f"{rule} (expected {names}; nothing was raised)")
 
 
 # --- the stages ---------------------------------------------------------------------------------
@@ -165,10 +197,14 @@ def _signature_refs(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.AST]
 
 
 class _Skeleton:
-    """Rewrites one lesson module's source into its skeleton by editing line ranges (comments survive)."""
+    """Rewrites one lesson module's source into its skeleton by editing line ranges (comments survive).
+    With from_stage N, what only stages before N teach stays reference code (imports pointing at the
+    learner's package); the rest is stubbed."""
 
-    def __init__(self, module: str, package: str, source: str, reference: ModuleType):
+    def __init__(self, module: str, package: str, source: str, reference: ModuleType, from_stage: int = 1):
         self.module, self.package, self.reference = module, package, reference
+        self.from_stage = from_stage
+        self.stubbed = 0  # functions stubbed: 0 means a copy of the reference
         self.lines = source.splitlines(keepends=True)
         self.tree = ast.parse(source)
         self.relpath = package + "/" + "/".join(module.split(".")[1:]) + (
@@ -176,6 +212,19 @@ class _Skeleton:
         self.edits: list[tuple[int, int, str]] = []  # (first line, last line) 1-based inclusive → text
 
     # ---- helpers
+    def _written(self, node: ast.stmt, qualname: str) -> bool:
+        """Reference code is kept for a definition that only stages before from_stage teach, all of it."""
+        if any(s.number >= self.from_stage for s in teachers(self.module, qualname)):
+            return False
+        return all(self._written(n, f"{qualname}.{n.name}") for n in getattr(node, "body", [])
+                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+
+    def _keep(self, node: ast.stmt) -> None:
+        """Keep a definition's reference code; its imports (of lesson modules) point at the package."""
+        for n in ast.walk(node):
+            if isinstance(n, (ast.Import, ast.ImportFrom)):
+                self._rewrite_import(n, self.reference.__package__ or self.module)
+
     def _start(self, node: ast.stmt) -> int:
         decorators = getattr(node, "decorator_list", [])
         return min([node.lineno, *(d.lineno for d in decorators)])
@@ -214,6 +263,7 @@ class _Skeleton:
             else:  # a docstring on the def line itself
                 body = indent + ast.get_source_segment("".join(self.lines), first) + "\n"
         body += f"{indent}raise NotImplementedError({json.dumps(self._message(qualname), ensure_ascii=False)})\n"
+        self.stubbed += 1
         self.edits.append((self._start(fn), fn.end_lineno, header + "\n" + body))
 
     def _rewrite_import(self, node: ast.Import | ast.ImportFrom, package_of_module: str) -> None:
@@ -257,7 +307,10 @@ class _Skeleton:
                 needed |= _loaded_names(_signature_refs(n))
         remains = bool(kept_code)  # a class body left empty needs a `pass`
         for n in body:
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and self._written(n, prefix + n.name):
+                self._keep(n)
+                remains = True
+            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 if _is_private(n.name) and n.name not in needed:
                     self._drop(n)
                 else:
@@ -272,7 +325,8 @@ class _Skeleton:
                 if not _kept_whole(obj):
                     self._body(n.body, prefix + n.name + ".", obj, top=False)
             elif top and isinstance(n, ast.If) and ast.unparse(n.test) in ('__name__ == "__main__"', "__name__ == '__main__'"):
-                self._drop(n)
+                if self.from_stage <= max(s.number for s in STAGES if self.module in s.modules):
+                    self._drop(n)  # (a module some stage still asks for is no program yet)
             else:
                 for node in ast.walk(n):
                     if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -290,21 +344,31 @@ class _Skeleton:
             line = max(line, last + 1)
         out.extend(self.lines[line - 1:])
         text = re.sub(r"\n{4,}", "\n\n\n", "".join(out))
-        header = (f"# Skeleton of {self.module}, generated from the reference by `python -m pagedref.course init`.\n"
-                  f"# Write the bodies that raise NotImplementedError; `pytest stages --impl PATH` grades them.\n")
+        lessons = " and ".join(f"stages/{s.folder}/README.md" for s in STAGES if self.module in s.modules)
+        if not self.stubbed:
+            header = (f"# Reference code of {self.module}, copied by `python -m pagedref.course init --from-stage "
+                      f"{self.from_stage}`:\n# the stages before {self.from_stage} come written. The lesson: {lessons}.\n")
+        else:
+            header = (f"# Skeleton of {self.module}, generated from the reference by `python -m pagedref.course init`.\n"
+                      f"# Write the bodies that raise NotImplementedError; `pytest stages --impl PATH` grades them.\n")
         return header + text
 
 
-def skeleton_source(module: str, package: str) -> str:
-    """The skeleton of one lesson module, for a learner package named `package`."""
+def skeleton_source(module: str, package: str, from_stage: int = 1) -> str:
+    """The skeleton of one lesson module, for a learner package named `package`: what only stages before
+    `from_stage` teach is the reference code, the rest is stubbed."""
     path = module_path(module)
     if path is None:
         raise ModuleNotFoundError(f"{module} is not in the reference yet")
-    return _Skeleton(module, package, path.read_text(), importlib.import_module(module)).source()
+    return _Skeleton(module, package, path.read_text(), importlib.import_module(module), from_stage).source()
 
 
-def init(dest: str | os.PathLike, force: bool = False) -> list[Path]:
-    """Write the skeleton package at `dest` (its name is dest's basename). Returns the files written."""
+def init(dest: str | os.PathLike, force: bool = False, from_stage: int = 1) -> list[Path]:
+    """Write the learner package at `dest` (its name is dest's basename): the reference code of the
+    stages before `from_stage`, skeletons from it on (past the last stage: a copy of the whole
+    reference, as `mutants` uses). Returns the files written."""
+    if not 1 <= from_stage <= len(STAGES) + 1:
+        raise ValueError(f"--from-stage must be one of the stages 1..{len(STAGES)}, got {from_stage}")
     dest = Path(dest)
     package = dest.resolve().name
     if not package.isidentifier() or package == REFERENCE:
@@ -332,8 +396,234 @@ def init(dest: str | os.PathLike, force: bool = False) -> list[Path]:
                 write(init_py, "")
         is_package = module_path(module).name == "__init__.py"
         target = dest.joinpath(*parts, "__init__.py") if is_package else dest.joinpath(*parts[:-1], parts[-1] + ".py")
-        write(target, skeleton_source(module, package))
+        write(target, skeleton_source(module, package, from_stage))
     return written
+
+
+# --- the interface: what a stage's tests use, stated once ---------------------------------------
+INTERFACE_BEGIN = ("<!-- interface: generated by `python -m pagedref.course interface --write` from the reference's "
+                   "docstrings and declarations, which the skeleton keeps: edit them there -->")
+INTERFACE_END = "<!-- /interface -->"
+
+
+def _interface_of_module(module: str, number: int, package: str) -> str:
+    """The part of `module` that stage `number` teaches, as the skeleton declares it: public classes
+    with their fields and annotated attributes, signatures and docstrings; no bodies, no imports."""
+    source = module_path(module).read_text()
+    sk = _Skeleton(module, package, source, importlib.import_module(module))
+    lines, seg = sk.lines, lambda a, b: "".join(sk.lines[a - 1: b])
+
+    def is_doc(node: ast.stmt) -> bool:
+        return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+
+    def function(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+        end_line, end_col = sk._header_end(fn)
+        text = seg(sk._start(fn), end_line - 1) + lines[end_line - 1][:end_col]
+        first = fn.body[0]
+        if not is_doc(first):
+            return text + " ...\n"
+        if first.lineno == end_line:  # a docstring on the def line itself
+            return text + " " + ast.get_source_segment(source, first) + "\n"
+        return text + "\n" + seg(first.lineno, first.end_lineno)
+
+    def names(node: ast.stmt) -> list[str]:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        return [t.id for t in targets if isinstance(t, ast.Name)]
+
+    def members(body: list[ast.stmt], prefix: str, namespace: object) -> list[str]:
+        out = []
+        for n in body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _is_private(n.name):
+                continue
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if number not in (s.number for s in teachers(module, prefix + n.name)):
+                    continue
+                out.append(function(n) if not isinstance(n, ast.ClassDef) else cls(n, prefix, namespace))
+            elif isinstance(n, (ast.Assign, ast.AnnAssign)) and names(n) and not any(map(_is_private, names(n))):
+                if prefix or number in (s.number for s in teachers(module, names(n)[0])):
+                    out.append(seg(n.lineno, n.end_lineno))
+        return out
+
+    def cls(node: ast.ClassDef, prefix: str, namespace: object) -> str:
+        obj = getattr(namespace, node.name, None)
+        if _kept_whole(obj):
+            return seg(sk._start(node), node.end_lineno)
+        end_line, end_col = sk._header_end(node)
+        text = seg(sk._start(node), end_line - 1) + lines[end_line - 1][:end_col] + "\n"
+        if is_doc(node.body[0]):
+            text += seg(node.body[0].lineno, node.body[0].end_lineno)
+        inner = members(node.body, f"{prefix}{node.name}.", obj)
+        return text + "".join(inner) if inner or is_doc(node.body[0]) else text.rstrip("\n") + " ...\n"
+
+    body = [n for n in sk.tree.body if not isinstance(n, (ast.Import, ast.ImportFrom, ast.If, ast.Expr))]
+    return "\n\n".join(members(body, "", sk.reference))
+
+
+def interface_markdown(number: int, package: str = "mypagedref") -> str:
+    """Stage `number`'s interface block for its README: one code block per lesson module."""
+    blocks = []
+    for module in stage(number).modules:
+        if module_path(module) is None:
+            continue
+        rel = "/".join(module.split(".")[1:]) + ("/__init__.py" if module_path(module).name == "__init__.py" else ".py")
+        code = _interface_of_module(module, number, package)
+        if code:
+            blocks.append(f"```python\n# {package}/{rel}\n{code.rstrip()}\n```\n")
+    return f"{INTERFACE_BEGIN}\n\n" + "\n".join(blocks) + f"\n{INTERFACE_END}"
+
+
+def readme_interface(number: int) -> str | None:
+    """The interface block written in stage `number`'s README now, or None if it has none."""
+    text = stage(number).readme.read_text() if stage(number).readme.is_file() else ""
+    m = re.search(re.escape(INTERFACE_BEGIN) + r".*?" + re.escape(INTERFACE_END), text, re.S)
+    return m[0] if m else None
+
+
+def write_interface(number: int) -> bool:
+    """Rewrite stage `number`'s README interface block from the reference; True if it changed."""
+    old = readme_interface(number)
+    if old is None:
+        return False
+    new = interface_markdown(number)
+    if new != old:
+        readme = stage(number).readme
+        readme.write_text(readme.read_text().replace(old, new))
+    return new != old
+
+
+# --- mutants: the project's own wrong versions, each caught by a stage test naming its rule ------
+MUTATIONS = REPO_ROOT / "tests" / "mutations"
+_REPORTER = '''
+import json, os
+
+def pytest_runtest_logreport(report):
+    if report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        with open(os.environ["COURSE_REPORT"], "a") as f:
+            f.write(json.dumps({"nodeid": report.nodeid, "message": crash.message if crash else str(report.longrepr)}) + "\\n")
+
+def pytest_collectreport(report):
+    if report.failed:
+        with open(os.environ["COURSE_REPORT"], "a") as f:
+            f.write(json.dumps({"nodeid": report.nodeid, "message": str(report.longrepr)[-2000:]}) + "\\n")
+'''
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """A wrong version of a lesson module, kept as a unified diff against the reference with a header:
+    `stage: N`, `rule: <the lesson's rule it breaks>`, `expect: <regex a failing test's message matches>`."""
+
+    path: Path
+    stage: int
+    rule: str
+    expect: str
+    hunks: tuple[tuple[str, str, str], ...]  # (file in the reference, text before, text after)
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+
+def load_mutant(path: Path) -> Mutant:
+    header, hunks, file, before, after = {}, [], None, None, None
+    lines = path.read_text().splitlines(keepends=True)
+    i = next((k for k, line in enumerate(lines) if line.startswith("--- ")), len(lines))
+    for line in lines[:i]:
+        if m := re.match(r"^(stage|rule|expect):\s*(.+?)\s*$", line):
+            header[m[1]] = m[2]
+    for line in lines[i:]:
+        if line.startswith("--- "):
+            continue
+        if line.startswith("+++ "):
+            file = line[4:].strip().split("\t")[0].removeprefix("b/")
+        elif line.startswith("@@"):
+            if before is not None:
+                hunks.append((file, "".join(before), "".join(after)))
+            before, after = [], []
+        elif before is not None and line[:1] in (" ", "-", "+", "\n"):
+            text = line[1:] if line[:1] != "\n" else "\n"
+            if line[:1] != "+":
+                before.append(text)
+            if line[:1] != "-":
+                after.append(text)
+    if before is not None:
+        hunks.append((file, "".join(before), "".join(after)))
+    missing = {"stage", "rule", "expect"} - set(header)
+    if missing or not hunks:
+        raise ValueError(f"{path}: a mutant needs stage:, rule:, expect: lines and a diff ({sorted(missing)} missing)")
+    return Mutant(path, int(header["stage"]), header["rule"], header["expect"], tuple(hunks))
+
+
+def load_mutants(stages: list[int] | None = None, folder: Path = MUTATIONS) -> list[Mutant]:
+    mutants = [load_mutant(p) for p in sorted(folder.glob("stage*.patch"))]
+    return [m for m in mutants if stages is None or m.stage in stages]
+
+
+def apply_mutant(mutant: Mutant, package_dir: Path) -> None:
+    """Apply the diff to a copy of the reference (`init --from-stage` past the last stage): each hunk's
+    text is found once in the copied module (its line numbers are not used: the copy has a header)."""
+    for file, before, after in mutant.hunks:
+        target = package_dir.joinpath(*Path(file).parts[1:])
+        text = target.read_text()
+        if text.count(before) != 1:
+            raise ValueError(f"{mutant.path.name}: a hunk is found {text.count(before)} times in {file}, not once "
+                             f"(the reference changed: update the mutant)")
+        target.write_text(text.replace(before, after))
+
+
+def grade(package_dir: Path, numbers: list[int], workdir: Path) -> list[dict]:
+    """Run stages `numbers`' tests against a package, in a subprocess: the failures, with messages."""
+    (workdir / "_course_report.py").write_text(_REPORTER)
+    report = workdir / f"report-{package_dir.parent.name}.jsonl"
+    report.unlink(missing_ok=True)
+    env = {**os.environ, "COURSE_REPORT": str(report),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(workdir), os.environ.get("PYTHONPATH", "")) if p)}
+    folders = [f"stages/{stage(n).folder}" for n in numbers]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_course_report",
+                        *folders, "--impl", str(package_dir)], capture_output=True, text=True, cwd=REPO_ROOT,
+                       env=env, timeout=900)
+    failures = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
+    if r.returncode not in (0, 1) or (r.returncode == 1 and not failures):
+        raise RuntimeError(f"pytest could not grade {package_dir} (exit {r.returncode}):\n{r.stdout[-3000:]}{r.stderr[-2000:]}")
+    return failures
+
+
+@dataclass
+class MutantResult:
+    mutant: Mutant
+    failures: list[dict]  # every failing test of the mutant's stage
+    caught_by: list[dict]  # those whose message names the rule: "stage N: ..." and matches `expect`
+
+    @property
+    def killed(self) -> bool:
+        return bool(self.caught_by)
+
+
+def run_mutants(mutants: list[Mutant], log=print) -> list[MutantResult]:
+    """Grade each mutant with its stage's tests, on a copy of the reference; the copy must pass first."""
+    results = []
+    with tempfile.TemporaryDirectory(prefix="pagedref-mutants-") as tmp:
+        base = Path(tmp) / "ref" / "mutant"
+        init(base, from_stage=len(STAGES) + 1)
+        numbers = sorted({m.stage for m in mutants})
+        failures = grade(base, numbers, Path(tmp))
+        if failures:
+            raise RuntimeError("the reference copy fails its own stages, so no mutant can be graded:\n"
+                               + "\n".join(f"{f['nodeid']}: {f['message'][:300]}" for f in failures))
+        for i, m in enumerate(mutants):
+            work = Path(tmp) / f"m{i}" / "mutant"
+            shutil.copytree(base, work)
+            apply_mutant(m, work)
+            failures = grade(work, [m.stage], Path(tmp))
+            caught = [f for f in failures if re.search(rf"\bstage {m.stage}: ", f["message"])
+                      and re.search(m.expect, f["message"], re.S)]
+            results.append(MutantResult(m, failures, caught))
+            what = (f"caught by {caught[0]['nodeid'].split('::')[-1]}" if caught else
+                    f"SURVIVED ({len(failures)} failures, none naming the rule /{m.expect}/)")
+            log(f"stage {m.stage}  {m.name:<44} {what}")
+            shutil.rmtree(work.parent)
+    return results
 
 
 # --- command line -------------------------------------------------------------------------------
@@ -352,15 +642,37 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("init", help="write a skeleton package to implement, stage by stage")
     p.add_argument("dir", help="folder of the new package; its name is the package name (e.g. mypagedref)")
     p.add_argument("--force", action="store_true", help="overwrite a folder that is not empty")
+    p.add_argument("--from-stage", type=int, default=1, choices=[s.number for s in STAGES], metavar="N",
+                   help="start at stage N: the stages before it come as reference code (default 1)")
+    p = sub.add_parser("interface", help="print a stage's interface, or write it into the lessons")
+    p.add_argument("--stage", type=int, action="append", choices=[s.number for s in STAGES], metavar="N")
+    p.add_argument("--write", action="store_true", help="rewrite each README's interface block from the reference")
+    p = sub.add_parser("mutants", help="grade the wrong versions kept in tests/mutations/ with the stage tests")
+    p.add_argument("--stage", type=int, action="append", choices=[s.number for s in STAGES], metavar="N")
+    p.add_argument("--name", default="", help="only the mutants whose file name contains this")
     args = parser.parse_args(argv)
     if args.command == "list":
         _list()
         return 0
+    if args.command == "interface":
+        numbers = args.stage or [s.number for s in STAGES if readme_interface(s.number) is not None]
+        for n in numbers:
+            if args.write:
+                print(f"stage {n}: {'rewritten' if write_interface(n) else 'up to date (or no interface block)'}")
+            else:
+                print(interface_markdown(n))
+        return 0
+    if args.command == "mutants":
+        mutants = [m for m in load_mutants(args.stage) if args.name in m.name]
+        results = run_mutants(mutants)
+        survived = [r for r in results if not r.killed]
+        print(f"{len(results) - len(survived)} of {len(results)} mutants caught by a test naming their rule")
+        return 1 if survived else 0
     try:
-        files = init(args.dir, force=args.force)
+        files = init(args.dir, force=args.force, from_stage=args.from_stage)
     except (ValueError, FileExistsError) as e:
         parser.error(str(e))
-    print(f"wrote {len(files)} files to {args.dir}. Next: pytest stages -m stage1 --impl {args.dir}")
+    print(f"wrote {len(files)} files to {args.dir}. Next: pytest stages -m stage{args.from_stage} --impl {args.dir}")
     return 0
 
 

@@ -34,7 +34,18 @@ class InvalidBlockError(BlockAllocatorError):
 
 
 class BlockAllocator:
-    """Fixed-size physical blocks with reference counts and an O(1) free list."""
+    """Fixed-size physical blocks with reference counts and an O(1) free list.
+
+    allocate, take, incref and free are O(1): none of them scans ref_counts or the free list (stage 2's
+    tests count the entries of both that each one reads). Errors: a num_blocks or block_size that is
+    not a positive int raises ValueError naming it; a block id outside 0..num_blocks-1, or not an int,
+    raises InvalidBlockError. A refused call changes nothing.
+    """
+
+    num_blocks: int
+    block_size: int  # token slots per block
+    ref_counts: list[int]  # ref_counts[block] = its holders; 0 exactly when the block is on the free list
+    free_list: OrderedDict[int, None]  # the free blocks, longest-free first: O(1) pop of the head, append, delete
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
@@ -70,7 +81,8 @@ class BlockAllocator:
             raise InvalidBlockError(f"block id {block_id!r} is outside the pool of {self.num_blocks} blocks")
 
     def allocate(self) -> int:
-        """Pop the longest-free block; its reference count becomes 1."""
+        """Pop the longest-free block (the head of the free list); its reference count becomes 1.
+        Raises NoFreeBlocksError when every block is held."""
         if not self.free_list:
             raise NoFreeBlocksError(f"all {self.num_blocks} blocks of {self.block_size} slots are in use")
         block_id, _ = self.free_list.popitem(last=False)
@@ -78,7 +90,8 @@ class BlockAllocator:
         return block_id
 
     def take(self, block_id: int) -> None:
-        """Take one particular free block (a prefix-cache hit on a freed block): count 0 → 1."""
+        """Take one particular free block (a prefix-cache hit on a freed block): count 0 → 1.
+        Raises InvalidBlockError if the block is held."""
         self._check(block_id)
         if self.ref_counts[block_id] != 0:
             raise InvalidBlockError(f"block {block_id} is not free (ref count {self.ref_counts[block_id]})")
@@ -86,14 +99,17 @@ class BlockAllocator:
         self.ref_counts[block_id] = 1
 
     def incref(self, block_id: int) -> None:
-        """One more holder of a block that is already held (fork, shared prefix)."""
+        """One more holder of a block that is already held (fork, shared prefix). Raises
+        InvalidBlockError for a free block: nobody holds it, so there is nothing to share."""
         self._check(block_id)
         if self.ref_counts[block_id] == 0:
             raise InvalidBlockError(f"cannot share block {block_id}: nobody holds it")
         self.ref_counts[block_id] += 1
 
     def free(self, block_id: int) -> bool:
-        """Drop one reference; at 0 the block goes to the back of the free list. Returns True then."""
+        """Drop one reference; at 0 the block goes to the back of the free list. Returns True then.
+        Raises DoubleFreeError for a block whose count is already 0 (a double free, or a block never
+        allocated)."""
         self._check(block_id)
         if self.ref_counts[block_id] == 0:
             raise DoubleFreeError(f"block {block_id} is already free (double free)")
@@ -104,9 +120,11 @@ class BlockAllocator:
         return False
 
     def ref_count(self, block_id: int) -> int:
+        """The block's number of holders."""
         self._check(block_id)
         return self.ref_counts[block_id]
 
     def is_free(self, block_id: int) -> bool:
+        """Whether the block is on the free list (its count is 0)."""
         self._check(block_id)
         return self.ref_counts[block_id] == 0

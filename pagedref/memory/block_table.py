@@ -35,7 +35,12 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class BlockTable:
-    """One sequence's logical → physical block mapping."""
+    """One sequence's logical → physical block mapping.
+
+    Errors: append_slots raises ValueError for a negative count, MaxModelLenError past max_model_len,
+    stage 2's NoFreeBlocksError when the pool cannot supply its blocks, and FreedSequenceError after
+    free(); each leaves the table and the pool unchanged. free() twice raises FreedSequenceError.
+    """
 
     allocator: BlockAllocator
     max_model_len: int | None = None
@@ -52,7 +57,8 @@ class BlockTable:
         return max(0, cdiv(self.num_tokens + num_new_tokens, self.allocator.block_size) - len(self.block_ids))
 
     def slot(self, pos: int) -> int:
-        """Physical slot of the token at logical position pos."""
+        """Physical slot of the token at logical position pos. Raises IndexError for a pos outside
+        0..num_tokens-1 (a negative pos does not count from the end)."""
         if not 0 <= pos < self.num_tokens:
             raise IndexError(f"position {pos} is outside the sequence's {self.num_tokens} tokens")
         return self.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -97,6 +103,9 @@ class BlockTable:
 class PagedKVCache:
     """The K/V pools of one layer, read and written through block tables (numpy, the CPU oracle)."""
 
+    k: np.ndarray  # [num_blocks, block_size, num_kv_heads, head_dim], `fill` (NaN) where nothing was written
+    v: np.ndarray  # the same, for V
+
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype=np.float32, fill: float = np.nan) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -113,7 +122,9 @@ class PagedKVCache:
         return self.k.shape[1]
 
     def write(self, slot_mapping: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
-        """Scatter new tokens' K/V [n, num_kv_heads, head_dim] into their slots."""
+        """Scatter new tokens' K/V [n, num_kv_heads, head_dim] into their slots (slot s is row s of the
+        pool flattened to [num_blocks * block_size, ...]). Raises stage 2's InvalidBlockError for a slot
+        outside the pool, negative ones included, before writing anything."""
         slots = np.asarray(slot_mapping, dtype=np.int64)
         if slots.size and (slots.min() < 0 or slots.max() >= self.num_blocks * self.block_size):
             raise InvalidBlockError(f"slot mapping points outside the pool of {self.num_blocks * self.block_size} slots")
@@ -121,7 +132,9 @@ class PagedKVCache:
         self.v.reshape(-1, *self.v.shape[2:])[slots] = v
 
     def gather(self, block_ids: Sequence[int], context_len: int) -> tuple[np.ndarray, np.ndarray]:
-        """The first context_len tokens' K/V in logical order: [context_len, num_kv_heads, head_dim]."""
+        """The first context_len tokens' K/V in logical order: [context_len, num_kv_heads, head_dim].
+        Raises stage 2's InvalidBlockError for a block id outside the pool (negative ones included),
+        and ValueError when the blocks given cannot hold context_len tokens."""
         ids = np.asarray(block_ids[: cdiv(context_len, self.block_size)], dtype=np.int64)
         if len(ids) * self.block_size < context_len:
             raise ValueError(f"{len(ids)} blocks of {self.block_size} cannot hold {context_len} tokens")

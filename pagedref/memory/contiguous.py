@@ -41,22 +41,25 @@ class Reservation:
 class MemoryUsage:
     """KV memory by purpose, in token slots (the same accounting for the contiguous and paged caches)."""
 
-    total: int
-    token_states: int
-    reserved: int
-    internal_fragmentation: int
-    external_fragmentation: int
+    total: int  # every slot of the arena
+    token_states: int  # slots holding K/V of tokens already processed
+    reserved: int  # reserved slots the request will still fill (up to its final length)
+    internal_fragmentation: int  # reserved slots past the request's final length: never used
+    external_fragmentation: int  # slots of free holes shorter than max_model_len: no reservation fits them
 
     @property
     def occupied(self) -> int:
-        """Memory no new request can use: everything but the usable free space."""
+        """Memory no new request can use: everything but the usable free space (the holes that can
+        still take a max_model_len reservation)."""
         return self.token_states + self.reserved + self.internal_fragmentation + self.external_fragmentation
 
     @property
     def free(self) -> int:
+        """Slots no reservation holds, the too-small holes (external fragmentation) included."""
         return self.total - self.token_states - self.reserved - self.internal_fragmentation
 
     def fraction(self, part: int) -> float:
+        """part / occupied: a share of the memory no new request can use (0.0 when nothing is occupied)."""
         return part / self.occupied if self.occupied else 0.0
 
     @property
@@ -66,7 +69,18 @@ class MemoryUsage:
 
 
 class ContiguousKVCache:
-    """One arena of num_slots token slots; each request gets one contiguous reservation, first fit."""
+    """One arena of num_slots token slots; each request gets one contiguous reservation, first fit.
+
+    Errors: a num_slots or max_model_len below 1 raises ValueError naming it; any call about a request
+    that holds no reservation (never admitted, or released) raises KeyError ("... no reservation ...").
+    A refused call changes nothing.
+    """
+
+    num_slots: int  # token slots in the arena
+    max_model_len: int  # the largest reservation, and admit's default
+    reservations: dict[int, Reservation]  # request id -> its stretch, from admit until release
+    k: np.ndarray | None  # [num_slots, num_kv_heads, head_dim], NaN until written; None without storage
+    v: np.ndarray | None  # the same, for V
 
     def __init__(self, num_slots: int, max_model_len: int, num_kv_heads: int = 0, head_dim: int = 0,
                  dtype=np.float32) -> None:
@@ -97,7 +111,10 @@ class ContiguousKVCache:
         return next((start for start, length in self.holes() if length >= size), None)
 
     def admit(self, request_id: int, max_len: int | None = None) -> int:
-        """Reserve max_len (default max_model_len) contiguous slots for a request; returns its start."""
+        """Reserve max_len (default max_model_len) contiguous slots for a request, first fit; returns
+        its start. Raises ValueError ("already admitted") for a request that holds a reservation,
+        MaxModelLenError for a max_len outside 1..max_model_len, and NoContiguousSpaceError when no hole
+        holds max_len slots (even if as many are free in total); a refused request holds nothing."""
         size = self.max_model_len if max_len is None else max_len
         if request_id in self.reservations:
             raise ValueError(f"request {request_id} is already admitted")
@@ -119,7 +136,10 @@ class ContiguousKVCache:
 
     def append(self, request_id: int, k: np.ndarray | None = None, v: np.ndarray | None = None,
                num_tokens: int | None = None) -> range:
-        """Store new tokens (K/V [n, num_kv_heads, head_dim], or just a count); returns their slots."""
+        """Give the next slots of the reservation to n new tokens and return them (a range): with k/v
+        ([n, num_kv_heads, head_dim] each) they are stored there, with num_tokens=n only counted (the
+        caller writes K/V itself, or the cache has no storage). Raises MaxModelLenError past the
+        reservation and ValueError ("num_tokens") for neither k nor a count >= 0; both change nothing."""
         r = self._get(request_id)
         n = len(k) if k is not None else num_tokens
         if n is None or n < 0:
@@ -134,7 +154,8 @@ class ContiguousKVCache:
         return slots
 
     def read(self, request_id: int) -> tuple[np.ndarray, np.ndarray]:
-        """The request's K/V so far: [num_tokens, num_kv_heads, head_dim] each (views, no copy)."""
+        """The request's K/V so far: [num_tokens, num_kv_heads, head_dim] each (views, no copy).
+        Raises ValueError ("... storage ...") for a cache built without storage (num_kv_heads=0)."""
         r = self._get(request_id)
         if self.k is None:
             raise ValueError("this cache was built without storage (num_kv_heads=0)")
@@ -146,13 +167,15 @@ class ContiguousKVCache:
         return attention(q, k, v, scale=scale)
 
     def release(self, request_id: int) -> None:
+        """Give the request's whole stretch back as a hole. Releasing twice raises KeyError."""
         self._get(request_id)
         del self.reservations[request_id]
 
     def usage(self, final_lens: Mapping[int, int] | None = None) -> MemoryUsage:
         """Accounting by purpose. final_lens (each request's eventual length, known only to an observer)
         splits the unused part of a reservation into reserved (will be used) and internal fragmentation;
-        without it, all of it counts as reserved."""
+        without it, all of it counts as reserved. External fragmentation counts only the holes shorter
+        than max_model_len: a hole that can take a reservation is usable free memory."""
         tokens = reserved = internal = 0
         for rid, r in self.reservations.items():
             final = r.capacity if final_lens is None else min(max(final_lens[rid], r.num_tokens), r.capacity)

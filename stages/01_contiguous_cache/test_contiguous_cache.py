@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pagedref.attention import attention
-from pagedref.course import lesson
+from pagedref.course import lesson, raises
 
 contig = lesson("pagedref.memory.contiguous")
 
@@ -28,6 +28,8 @@ def test_step1_admit_reserves_max_model_len_contiguous_slots_first_fit():
     assert cache.admit(1) == 30, "stage 1: admit() must reserve max_model_len slots, so the next request starts at 30"
     assert cache.admit(2, max_len=10) == 60, "stage 1: admit(max_len=...) reserves the next hole that fits"
     assert cache.holes() == [(70, 30)], "stage 1: holes() must list the free stretches (start, length) in address order"
+    assert cache.reservations[1] == contig.Reservation(start=30, capacity=30, num_tokens=0), \
+        "stage 1: cache.reservations maps each admitted request id to its Reservation(start, capacity, num_tokens)"
 
 
 def test_step2_appended_tokens_sit_in_consecutive_slots_and_read_back_exactly():
@@ -74,10 +76,11 @@ def test_step4_a_request_cannot_grow_past_its_reservation():
     cache = contig.ContiguousKVCache(num_slots=64, max_model_len=16)
     cache.admit(0, max_len=4)
     cache.append(0, num_tokens=4)
-    with pytest.raises(contig.MaxModelLenError):
+    with raises(contig.MaxModelLenError, "stage 1: append past the reservation must raise MaxModelLenError"):
         cache.append(0, num_tokens=1)
-    with pytest.raises(contig.MaxModelLenError):
-        cache.admit(1, max_len=17)  # stage 1: a reservation larger than max_model_len must be refused
+    with raises(contig.MaxModelLenError, "stage 1: admit must refuse a max_len larger than max_model_len with MaxModelLenError"):
+        cache.admit(1, max_len=17)
+    assert 1 not in cache.reservations, "stage 1: a refused admit must hold no reservation"
     assert cache.reservations[0].num_tokens == 4, "stage 1: a refused append must leave the request unchanged"
 
 
@@ -100,8 +103,8 @@ def test_step6_external_fragmentation_refuses_a_request_although_enough_memory_i
     cache.release(0)
     cache.release(2)
     assert sum(length for _, length in cache.holes()) == 6, "stage 1: 6 slots are free in total"
-    with pytest.raises(contig.NoContiguousSpaceError):
-        cache.admit(3, max_len=4)  # stage 1: no single hole holds 4 slots, so the request must be refused
+    with raises(contig.NoContiguousSpaceError, "stage 1: no single hole holds 4 slots, so admit must raise NoContiguousSpaceError"):
+        cache.admit(3, max_len=4)
     assert 3 not in cache.reservations, "stage 1: a refused request must hold no reservation"
 
 
@@ -111,7 +114,7 @@ def test_step7_usage_splits_the_arena_into_token_states_reserved_and_fragmentati
         cache.admit(rid)
         cache.append(rid, num_tokens=n)
     u = cache.usage({0: 20, 1: 10, 2: 25})  # the requests' final lengths, known only to an observer
-    assert u.total == 100
+    assert u.total == 100, "stage 1: total is every slot of the arena"
     assert u.token_states == 17, "stage 1: token states are the slots holding tokens already processed (5 + 10 + 2)"
     assert u.reserved == 15 + 0 + 23, "stage 1: reserved slots will hold tokens generated later (final length - tokens so far)"
     assert u.internal_fragmentation == 10 + 20 + 5, "stage 1: internal fragmentation = reservation - final length, never used"
@@ -124,20 +127,48 @@ def test_step7_usage_splits_the_arena_into_token_states_reserved_and_fragmentati
         "stage 1: without final lengths, every unused reserved slot counts as reserved"
 
 
-def test_step8_bad_input_gets_a_clear_error():
-    with pytest.raises(ValueError, match="num_slots"):
+def test_step8_a_hole_that_still_fits_a_request_is_free_memory_not_fragmentation():
+    cache = contig.ContiguousKVCache(num_slots=100, max_model_len=30)
+    for rid, n in enumerate((6, 4)):  # slots 0..59 reserved; the 40-slot tail can take another request
+        cache.admit(rid)
+        cache.append(rid, num_tokens=n)
+    cache.admit(2, max_len=5)  # slots 60..64: the tail shrinks to 35 slots, still usable
+    u = cache.usage({0: 6, 1: 30, 2: 5})
+    assert u.external_fragmentation == 0, \
+        "stage 1: external fragmentation counts only holes shorter than max_model_len; the 35-slot hole still fits a request"
+    assert u.free == 35 and u.occupied == 65, "stage 1: a usable hole is free memory, outside the occupied part"
+    assert u.token_state_fraction == 10 / 65, \
+        "stage 1: token_state_fraction is token states / occupied memory (not / total: usable free memory is not waste)"
+    cache.admit(3)  # slots 65..94: the 5-slot tail is too small for any max_model_len request
+    u = cache.usage()
+    assert u.external_fragmentation == 5 and u.free == 5, \
+        "stage 1: the 5-slot tail is external fragmentation: shorter than max_model_len, and still free memory"
+    assert u.occupied == 100 and u.token_state_fraction == 10 / 100, \
+        "stage 1: with no usable hole left, occupied memory is the whole arena"
+
+
+def test_step9_bad_input_gets_a_clear_error():
+    with raises(ValueError, "stage 1: num_slots < 1 must raise ValueError naming num_slots", match="num_slots"):
         contig.ContiguousKVCache(num_slots=0, max_model_len=8)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with raises(ValueError, "stage 1: max_model_len < 1 must raise ValueError naming max_model_len", match="max_model_len"):
         contig.ContiguousKVCache(num_slots=8, max_model_len=0)
     cache = contig.ContiguousKVCache(num_slots=16, max_model_len=8)
     cache.admit(0)
-    with pytest.raises(ValueError, match="already admitted"):
+    with raises(ValueError, "stage 1: admitting a request twice must raise ValueError (\"already admitted\")",
+                match="already admitted"):
         cache.admit(0)
     cache.release(0)
-    with pytest.raises(KeyError, match="no reservation"):
-        cache.release(0)  # stage 1: releasing twice must be an error, not a silent no-op
-    with pytest.raises(KeyError):
-        cache.append(7, num_tokens=1)  # never admitted
+    with raises(KeyError, "stage 1: releasing twice must raise KeyError (\"no reservation\"), not be a silent no-op",
+                match="no reservation"):
+        cache.release(0)
+    with raises(KeyError, "stage 1: append for a request never admitted must raise KeyError (\"no reservation\")",
+                match="no reservation"):
+        cache.append(7, num_tokens=1)
     cache.admit(1)
-    with pytest.raises(ValueError, match="storage"):
+    with raises(ValueError, "stage 1: append with a negative num_tokens must raise ValueError naming num_tokens",
+                match="num_tokens"):
+        cache.append(1, num_tokens=-1)
+    assert cache.reservations[1].num_tokens == 0, "stage 1: a refused append must leave the request unchanged"
+    with raises(ValueError, "stage 1: read() on a cache built without storage must raise ValueError (\"storage\")",
+                match="storage"):
         cache.read(1)  # built without num_kv_heads/head_dim: there is nothing to read

@@ -6,12 +6,61 @@ Run: pytest stages -m stage2 (add --impl PKG to grade your own package).
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 
 import pytest
 
-from pagedref.course import lesson
+from pagedref.course import lesson, raises
 
 ba = lesson("pagedref.memory.block_allocator")
+
+
+class CountingFreeList(OrderedDict):
+    """The allocator's free list, counting the entries read by iterating it (a scan)."""
+
+    reads = 0
+
+    def __iter__(self):
+        for key in super().__iter__():
+            self.reads += 1
+            yield key
+
+    def __reversed__(self):
+        for key in super().__reversed__():
+            self.reads += 1
+            yield key
+
+    def keys(self):
+        return list(self)
+
+    def values(self):
+        return [None for _ in self]
+
+    def items(self):
+        return [(key, None) for key in self]
+
+
+class CountingList(list):
+    """The allocator's ref counts, counting the entries read (by index, slice, iteration or search)."""
+
+    reads = 0
+
+    def __getitem__(self, i):
+        self.reads += len(range(len(self))[i]) if isinstance(i, slice) else 1
+        return super().__getitem__(i)
+
+    def __iter__(self):
+        for x in super().__iter__():
+            self.reads += 1
+            yield x
+
+    def _scan(name):  # noqa: N805  (index, count, `in`: each reads the whole list)
+        def method(self, *args):
+            self.reads += len(self)
+            return getattr(list, name)(self, *args)
+        return method
+
+    index, count, __contains__ = _scan("index"), _scan("count"), _scan("__contains__")
 
 
 def test_step1_a_pool_of_equal_blocks_starts_all_free():
@@ -26,7 +75,7 @@ def test_step1_a_pool_of_equal_blocks_starts_all_free():
 @pytest.mark.parametrize("num_blocks, block_size, name", [(4, 0, "block_size"), (4, -2, "block_size"),
                                                          (0, 16, "num_blocks"), (4, 2.5, "block_size")])
 def test_step2_a_block_size_or_pool_size_that_makes_no_sense_is_refused(num_blocks, block_size, name):
-    with pytest.raises(ValueError, match=name):
+    with raises(ValueError, f"stage 2: BlockAllocator({num_blocks}, {block_size}) must raise ValueError naming {name}", match=name):
         ba.BlockAllocator(num_blocks=num_blocks, block_size=block_size)
 
 
@@ -42,8 +91,9 @@ def test_step4_an_exhausted_pool_raises_a_typed_error_and_changes_nothing():
     a = ba.BlockAllocator(num_blocks=3, block_size=4)
     for _ in range(3):
         a.allocate()
-    with pytest.raises(ba.NoFreeBlocksError):
-        a.allocate()  # stage 2: the caller (the scheduler) must know to wait or preempt
+    with raises(ba.NoFreeBlocksError, "stage 2: allocate() on an exhausted pool must raise NoFreeBlocksError, so the "
+                "caller (the scheduler) knows to wait or preempt"):
+        a.allocate()
     assert (a.num_free, a.num_used) == (0, 3), "stage 2: a failed allocate() must not change the counters"
 
 
@@ -77,34 +127,60 @@ def test_step7_the_free_list_is_a_queue_the_longest_free_block_is_reused_first()
         "stage 2: allocate() must take the block that has been free the longest (stage 4's prefix cache relies on it)"
 
 
-def test_step8_take_removes_one_particular_free_block():
+@pytest.mark.parametrize("num_blocks", [64, 4096])
+def test_step8_allocate_take_incref_and_free_are_o1_whatever_the_pool_size(num_blocks):
+    a = ba.BlockAllocator(num_blocks=num_blocks, block_size=4)
+    assert isinstance(a.free_list, OrderedDict) and sorted(a.free_list) == list(range(num_blocks)), \
+        "stage 2: free_list must be an OrderedDict of the free blocks (a list's pop(0) and remove() are O(n))"
+    assert isinstance(a.ref_counts, list) and a.ref_counts == [0] * num_blocks, \
+        "stage 2: ref_counts must be a list with one count per block, all 0 in a new pool"
+    a.free_list, a.ref_counts = CountingFreeList(a.free_list), CountingList(a.ref_counts)
+    blocks = [a.allocate() for _ in range(num_blocks - 1)]  # every block but one
+    (last,) = set(range(num_blocks)) - set(blocks)
+    a.take(last)
+    shared = blocks[::2]
+    for b in shared:
+        a.incref(b)
+    for b in shared + blocks + [last]:
+        a.free(b)
+    a.allocate()
+    ops = len(blocks) + 1 + 2 * len(shared) + len(blocks) + 1 + 1
+    reads = a.free_list.reads + a.ref_counts.reads
+    assert reads <= 4 * ops, (
+        f"stage 2: allocate, take, incref and free must be O(1), but {ops} of them on a pool of {num_blocks} blocks "
+        f"read {reads} entries of free_list and ref_counts: something scans the pool or the free list")
+
+
+def test_step9_take_removes_one_particular_free_block():
     a = ba.BlockAllocator(num_blocks=4, block_size=4)
     a.take(2)
     assert a.ref_count(2) == 1 and not a.is_free(2) and a.num_free == 3, "stage 2: take(b) moves free block b to ref count 1"
     assert 2 not in {a.allocate() for _ in range(3)}, "stage 2: a taken block must not be handed out again by allocate()"
-    with pytest.raises(ba.InvalidBlockError):
-        a.take(2)  # stage 2: only a free block can be taken
+    with raises(ba.InvalidBlockError, "stage 2: take() of a block that is held must raise InvalidBlockError"):
+        a.take(2)
 
 
-def test_step9_misuse_raises_typed_errors():
+def test_step10_misuse_raises_typed_errors():
     a = ba.BlockAllocator(num_blocks=4, block_size=4)
     b = a.allocate()
     a.free(b)
-    with pytest.raises(ba.DoubleFreeError):
-        a.free(b)  # stage 2: freeing twice must be caught, not turn the ref count negative
-    with pytest.raises(ba.DoubleFreeError):
-        a.free(3)  # stage 2: a block nobody holds cannot be freed
-    with pytest.raises(ba.InvalidBlockError):
-        a.incref(3)  # stage 2: nobody holds block 3, so it cannot be shared
-    for bad in (-1, 4, "0"):
-        with pytest.raises(ba.InvalidBlockError):
-            a.free(bad)  # stage 2: ids outside 0..num_blocks-1 name no block
+    with raises(ba.DoubleFreeError, "stage 2: freeing twice must raise DoubleFreeError, not turn the ref count negative"):
+        a.free(b)
+    with raises(ba.DoubleFreeError, "stage 2: freeing a block nobody holds must raise DoubleFreeError"):
+        a.free(3)
+    with raises(ba.InvalidBlockError, "stage 2: incref() of a free block must raise InvalidBlockError: nobody holds it to share"):
+        a.incref(3)
+    for bad in (-1, 4, "0", 1.0):
+        for op in (a.free, a.incref, a.take, a.ref_count, a.is_free):
+            with raises(ba.InvalidBlockError, f"stage 2: {op.__name__}({bad!r}) must raise InvalidBlockError: "
+                        "only the ints 0..num_blocks-1 name a block"):
+                op(bad)
     for err in (ba.NoFreeBlocksError, ba.DoubleFreeError, ba.InvalidBlockError):
         assert issubclass(err, ba.BlockAllocatorError), f"stage 2: {err.__name__} must derive from BlockAllocatorError"
     assert a.ref_count(3) == 0 and a.num_free == 4, "stage 2: a refused operation must leave the pool unchanged"
 
 
-def test_step10_the_invariant_holds_through_a_long_random_run():
+def test_step11_the_invariant_holds_through_a_long_random_run():
     rng = random.Random(0)
     a = ba.BlockAllocator(num_blocks=16, block_size=4)
     held: list[int] = []  # one entry per reference we hold
@@ -122,3 +198,5 @@ def test_step10_the_invariant_holds_through_a_long_random_run():
         for blk in range(16):
             assert a.ref_count(blk) == held.count(blk), f"stage 2: block {blk}'s ref count must equal its number of holders"
             assert a.is_free(blk) == (held.count(blk) == 0), f"stage 2: block {blk} must be free exactly when nobody holds it"
+        assert set(a.free_list) == {blk for blk in range(16) if blk not in held}, \
+            "stage 2: free_list must hold exactly the blocks nobody holds"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pagedref.attention import attention
-from pagedref.course import lesson
+from pagedref.course import lesson, raises
 
 ba = lesson("pagedref.memory.block_allocator")
 bt = lesson("pagedref.memory.block_table")
@@ -33,7 +33,7 @@ def test_step1_the_table_grows_one_block_at_a_time_only_when_the_last_block_is_f
     for n in range(1, 14):
         before = list(table.block_ids)
         table.append_slots(1)
-        assert len(table.block_ids) == bt.cdiv(n, 4), f"stage 3: {n} tokens need ceil({n}/4) = {bt.cdiv(n, 4)} blocks"
+        assert len(table.block_ids) == bt.cdiv(n, 4), f"stage 3: a table holds exactly ceil(num_tokens / block_size) blocks: {n} tokens need {bt.cdiv(n, 4)}, it holds {len(table.block_ids)}"
         grew = len(table.block_ids) > len(before)
         assert grew == (n % 4 == 1), f"stage 3: a new block is taken only when token {n} does not fit the last block"
         assert table.block_ids[:len(before)] == before, "stage 3: growing must not move the blocks already in the table"
@@ -47,8 +47,10 @@ def test_step2_the_slot_mapping_is_physical_block_times_block_size_plus_offset()
     expected = [table.block_ids[p // 4] * 4 + p % 4 for p in range(10)]
     assert slots == expected, "stage 3: the slot of position p is block_ids[p // block_size] * block_size + p % block_size"
     assert [table.slot(p) for p in range(10)] == expected, "stage 3: slot(p) must agree with the slot mapping"
-    with pytest.raises(IndexError):
-        table.slot(10)  # stage 3: position 10 has no slot yet
+    with raises(IndexError, "stage 3: slot(10) of a 10-token table must raise IndexError: position 10 has no slot yet"):
+        table.slot(10)
+    with raises(IndexError, "stage 3: slot(-1) must raise IndexError: positions are 0..num_tokens-1, not counted from the end"):
+        table.slot(-1)
 
 
 def test_step3_a_prefill_gets_the_same_slots_as_the_same_tokens_decoded_one_by_one():
@@ -65,8 +67,9 @@ def test_step4_appending_is_all_or_nothing_when_the_pool_runs_dry():
     a = ba.BlockAllocator(num_blocks=3, block_size=4)
     table = bt.BlockTable(a)
     table.append_slots(6)  # 2 blocks
-    with pytest.raises(ba.NoFreeBlocksError):
-        table.append_slots(7)  # 13 tokens need 4 blocks: 2 more, only 1 free
+    with raises(ba.NoFreeBlocksError, "stage 3: 13 tokens need 4 blocks, 2 more than the table has, and only 1 is free: "
+                "append_slots must raise NoFreeBlocksError"):
+        table.append_slots(7)
     assert (table.num_tokens, len(table.block_ids), a.num_free) == (6, 2, 1), \
         "stage 3: a failed append must leave the table and the pool unchanged"
     assert len(table.append_slots(6)) == 6 and a.num_free == 0, "stage 3: an append that fits must still succeed"
@@ -75,10 +78,10 @@ def test_step4_appending_is_all_or_nothing_when_the_pool_runs_dry():
 def test_step5_a_sequence_cannot_grow_past_max_model_len():
     table = bt.BlockTable(ba.BlockAllocator(num_blocks=8, block_size=4), max_model_len=10)
     table.append_slots(10)
-    with pytest.raises(bt.MaxModelLenError):
+    with raises(bt.MaxModelLenError, "stage 3: growing past max_model_len must raise MaxModelLenError"):
         table.append_slots(1)
-    with pytest.raises(ValueError):
-        table.append_slots(-1)  # stage 3: a negative number of tokens is a caller bug
+    with raises(ValueError, "stage 3: append_slots(-1) must raise ValueError: a negative number of tokens is a caller bug"):
+        table.append_slots(-1)
     assert table.num_tokens == 10, "stage 3: refused appends must leave the table unchanged"
 
 
@@ -88,18 +91,34 @@ def test_step6_free_returns_every_block_and_a_freed_table_refuses_further_use():
     table.append_slots(9)
     table.free()
     assert a.num_free == 8 and table.block_ids == [], "stage 3: free() must return every block of the table to the pool"
-    with pytest.raises(bt.FreedSequenceError):
-        table.free()  # stage 3: freeing twice would free blocks that now belong to someone else
-    with pytest.raises(bt.FreedSequenceError):
+    with raises(bt.FreedSequenceError, "stage 3: free() twice must raise FreedSequenceError: "
+                "it would free blocks that now belong to someone else"):
+        table.free()
+    with raises(bt.FreedSequenceError, "stage 3: append_slots() after free() must raise FreedSequenceError"):
         table.append_slots(1)
+    assert a.num_free == 8, "stage 3: a refused call on a freed table must leave the pool unchanged"
+
+
+def test_step7_free_returns_the_blocks_last_block_first():
+    a = shuffled_allocator(num_blocks=6, block_size=4, seed=3)
+    table = bt.BlockTable(a)
+    table.append_slots(16)  # 4 blocks, logical order
+    blocks = list(table.block_ids)
+    table.free()
+    reused = [a.allocate() for _ in range(6)][2:]  # the 2 blocks free before come first (stage 2's queue)
+    assert reused == blocks[::-1], (
+        f"stage 3: free() must return the blocks last block first (the pool hands them out again in the order "
+        f"{reused}, the table was {blocks}): under stage 4's LRU prefix cache a sequence's tail is evicted first")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_step7_the_pool_returns_exactly_what_was_written_through_the_slot_mapping(dtype):
+def test_step8_the_pool_returns_exactly_what_was_written_through_the_slot_mapping(dtype):
     rng = np.random.default_rng(2)
     a = shuffled_allocator(num_blocks=6, block_size=4, seed=2)
     cache = bt.PagedKVCache(6, 4, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
-    assert cache.k.shape == (6, 4, NUM_KV_HEADS, HEAD_DIM), "stage 3: pools are [num_blocks, block_size, num_kv_heads, head_dim]"
+    assert cache.k.shape == cache.v.shape == (6, 4, NUM_KV_HEADS, HEAD_DIM) and cache.k.dtype == dtype, \
+        "stage 3: the pools k and v are [num_blocks, block_size, num_kv_heads, head_dim] arrays of the dtype asked for"
+    assert (cache.num_blocks, cache.block_size) == (6, 4), "stage 3: num_blocks and block_size are read from the pool's shape"
     assert np.isnan(cache.k).all() and np.isnan(cache.v).all(), "stage 3: unwritten slots must hold NaN so a stray read is visible"
     table = bt.BlockTable(a)
     k = rng.standard_normal((9, NUM_KV_HEADS, HEAD_DIM)).astype(dtype)
@@ -149,16 +168,22 @@ def _paged_vs_oracle(block_size: int, dtype, seed: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_step8_paged_attention_equals_the_oracle_bit_for_bit_for_every_block_size_and_placement(block_size, dtype):
+def test_step9_paged_attention_equals_the_oracle_bit_for_bit_for_every_block_size_and_placement(block_size, dtype):
     for seed in range(3):  # three different physical placements of the same logical sequences
         _paged_vs_oracle(block_size, dtype, seed)
 
 
-def test_step9_a_bad_block_table_is_refused_with_a_clear_error():
+def test_step10_a_bad_block_table_is_refused_with_a_clear_error():
     cache = bt.PagedKVCache(4, 4, NUM_KV_HEADS, HEAD_DIM)
-    with pytest.raises(ba.InvalidBlockError):
-        cache.gather([0, 9], 6)  # stage 3: block 9 is outside the pool of 4
-    with pytest.raises(ValueError):
-        cache.gather([0], 6)  # stage 3: one block of 4 slots cannot hold 6 tokens
-    with pytest.raises(ba.InvalidBlockError):
-        cache.write([16], np.zeros((1, NUM_KV_HEADS, HEAD_DIM), np.float32), np.zeros((1, NUM_KV_HEADS, HEAD_DIM), np.float32))
+    kv = np.zeros((1, NUM_KV_HEADS, HEAD_DIM), np.float32)
+    with raises(ba.InvalidBlockError, "stage 3: gather() through block 9, outside the pool of 4, must raise InvalidBlockError"):
+        cache.gather([0, 9], 6)
+    with raises(ba.InvalidBlockError, "stage 3: gather() through block -1 must raise InvalidBlockError, "
+                "not read the pool's last block (numpy's negative index)"):
+        cache.gather([0, -1], 6)
+    with raises(ValueError, "stage 3: gather([0], 6) must raise ValueError: one block of 4 slots cannot hold 6 tokens"):
+        cache.gather([0], 6)
+    for slot in (16, -1):
+        with raises(ba.InvalidBlockError, f"stage 3: write() to slot {slot}, outside the pool's 16 slots, must raise InvalidBlockError"):
+            cache.write([slot], kv, kv)
+    assert np.isnan(cache.k).all() and np.isnan(cache.v).all(), "stage 3: a refused write must not write anything"
