@@ -247,7 +247,8 @@ def bench_decode(batch: int, context: int, reps: int, skip_version: int | None =
     named.update({f"sdpa {name}": [fn] for name, fn in sdpa.items()})
     peer_fns = {}
     if peers and "flashinfer" in peers:
-        peer_fns["flashinfer"] = peer_calls("flashinfer", lambda: [flashinfer_decode(peers["flashinfer"], c) for c in cases])
+        fi = peers["flashinfer"]
+        peer_fns["flashinfer"] = peer_calls("flashinfer", lambda: [flashinfer_decode(fi, c) for c in cases])
     peer_fns = {name: calls for name, calls in peer_fns.items() if calls}
     named.update({f"peer {name}": calls for name, calls in peer_fns.items()})
     timed = time_rounds(named, reps)
@@ -341,7 +342,8 @@ def bench_prefill(batch: int, query_len: int, context: int, reps: int, skip_vers
         sdpa_ms = {name: timed[f"sdpa {name}"][0] for name in sdpa}
         best = min(sdpa_ms, key=sdpa_ms.get)
         ref = sdpa[best]().transpose(1, 2).reshape(batch * query_len, NUM_HEADS, HEAD_DIM).float()
-        res.update(sdpa_backend=best, sdpa_ms=sdpa_ms[best], sdpa_all_ms=sdpa_ms, sdpa_TFLOPs=flops / sdpa_ms[best] / 1e9)
+        res.update(sdpa_backend=best, sdpa_ms=sdpa_ms[best], sdpa_all_ms=sdpa_ms,
+                   sdpa_TFLOPs=flops / sdpa_ms[best] / 1e9)
     res["error_reference"] = "sdpa" if sdpa else f"v{max(versions)}"
 
     def row(name: str, result: torch.Tensor) -> dict:

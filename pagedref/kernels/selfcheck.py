@@ -72,7 +72,8 @@ def check_attention(head_dims: set[int] | None = None) -> list[str]:
         pre = testing.make_problem([150, 530, 7], [150, 90, 7], **kw)
         v = 3 if dtype != torch.float32 else 2
         runs += [(f"decode v{v} {dtype} head_dim={head_dim}", dec, lambda p=dec, v=v: run_decode(p, version=v)),
-                 (f"prefill v{v - 1} {dtype} head_dim={head_dim}", pre, lambda p=pre, v=v: run_prefill(p, version=v - 1))]
+                 (f"prefill v{v - 1} {dtype} head_dim={head_dim}", pre,
+                  lambda p=pre, v=v: run_prefill(p, version=v - 1))]
     if head_dims is not None:
         runs = [r for r in runs if r[1].q.shape[-1] in head_dims]
     failures = []
