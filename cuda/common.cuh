@@ -1,26 +1,11 @@
-// common.cuh: what the attention kernels share: the element type of the KV pool and its
-// conversions to fp32, the -D parameters every attention kernel needs, the CTA size, warp reductions.
+// common.cuh: what the attention kernels share: the element type (dtype.cuh), the -D parameters every
+// attention kernel needs, the CTA size, 16-byte loads, warp reductions, the tensor-core helpers.
 //
-// One idea: kernels are written once against `scalar_t` and compiled per dtype with -DPR_DTYPE=0|1|2
-// (fp32, fp16, bf16). Everything is accumulated in fp32; the pool element is only a storage format.
-//
-// fp16/bf16 are stored as raw 16-bit words and converted with single PTX instructions (cvt.*), so
-// the kernels include no header at all: the same source compiles under nvcc (CI) and under NVRTC
-// (CuPy at run time) whatever headers the CuPy install ships. Loads are 16 bytes wide (uint4):
-// VEC elements of scalar_t per load.
+// One idea: kernels are written once against `scalar_t` (dtype.cuh: -DPR_DTYPE=0|1|2) and specialised
+// with -D parameters. Loads are 16 bytes wide (uint4): VEC elements of scalar_t per load.
 #pragma once
 
-#ifndef PR_DTYPE
-#error "compile with -DPR_DTYPE=0 (float32), 1 (float16) or 2 (bfloat16)"
-#endif
-
-#if PR_DTYPE == 0
-typedef float scalar_t;
-#elif PR_DTYPE == 1 || PR_DTYPE == 2
-typedef unsigned short scalar_t;  // the raw bits of a half or a bfloat16
-#else
-#error "PR_DTYPE must be 0, 1 or 2"
-#endif
+#include "dtype.cuh"
 
 #ifndef HEAD_DIM
 #error "compile with -DHEAD_DIM=..."
@@ -30,7 +15,6 @@ typedef unsigned short scalar_t;  // the raw bits of a half or a bfloat16
 #endif
 
 #define PR_WARP 32
-#define PR_FULL_MASK 0xffffffffu
 constexpr int NUM_THREADS = 128;  // every attention CTA: 4 warps (pagedref.kernels.splitk.NUM_THREADS)
 constexpr int NUM_WARPS = NUM_THREADS / PR_WARP;
 
@@ -38,32 +22,6 @@ constexpr int NUM_WARPS = NUM_THREADS / PR_WARP;
 constexpr int VEC = 16 / (int)sizeof(scalar_t);
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
-__device__ __forceinline__ float to_float(scalar_t x) {
-#if PR_DTYPE == 0
-  return x;
-#elif PR_DTYPE == 1
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
-  return f;
-#else
-  return __uint_as_float(((unsigned int)x) << 16);  // bf16 is the top half of an fp32
-#endif
-}
-
-__device__ __forceinline__ scalar_t from_float(float f) {
-#if PR_DTYPE == 0
-  return f;
-#elif PR_DTYPE == 1
-  unsigned short h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));  // round to nearest even
-  return h;
-#else
-  unsigned short h;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));  // round to nearest even (sm_80+)
-  return h;
-#endif
-}
 
 // One 16-byte word -> VEC floats.
 __device__ __forceinline__ void unpack(const uint4 &u, float (&f)[VEC]) {

@@ -34,48 +34,10 @@
 //   Launch: grid (num_tokens), any block size; each thread rotates W dimension pairs of one head or
 //   copies W values of one value head.
 //
-// The dtype conversions are common.cuh's (cvt.* PTX, no header), repeated here because common.cuh
-// also demands the attention kernels' HEAD_DIM and BLOCK_SIZE, which these kernels take at run time.
+// The dtype and its conversions are dtype.cuh's (common.cuh also demands the attention kernels'
+// HEAD_DIM and BLOCK_SIZE, which these kernels take at run time).
 
-#ifndef PR_DTYPE
-#error "compile with -DPR_DTYPE=0 (float32), 1 (float16) or 2 (bfloat16)"
-#endif
-
-#if PR_DTYPE == 0
-typedef float scalar_t;
-#elif PR_DTYPE == 1 || PR_DTYPE == 2
-typedef unsigned short scalar_t;  // the raw bits of a half or a bfloat16
-#else
-#error "PR_DTYPE must be 0, 1 or 2"
-#endif
-
-#define PR_FULL_MASK 0xffffffffu
-
-__device__ __forceinline__ float to_float(scalar_t x) {
-#if PR_DTYPE == 0
-  return x;
-#elif PR_DTYPE == 1
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
-  return f;
-#else
-  return __uint_as_float(((unsigned int)x) << 16);  // bf16 is the top half of an fp32
-#endif
-}
-
-__device__ __forceinline__ scalar_t from_float(float f) {
-#if PR_DTYPE == 0
-  return f;
-#elif PR_DTYPE == 1
-  unsigned short h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));  // round to nearest even
-  return h;
-#else
-  unsigned short h;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));  // round to nearest even (sm_80+)
-  return h;
-#endif
-}
+#include "dtype.cuh"
 
 // W consecutive elements, loaded and stored as one access of W * sizeof(scalar_t) bytes.
 template <int W>

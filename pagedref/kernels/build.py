@@ -14,6 +14,7 @@ benchmark processes after it only load binaries (pagedref/kernels/device_check.s
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import multiprocessing
 import os
@@ -162,7 +163,16 @@ def module(config: KernelConfig):
     """The compiled cupy.RawModule of a config (compiled on first use, then cached)."""
     import cupy
 
-    return cupy.RawModule(code=config.source.read_text(), options=config.options())
+    return cupy.RawModule(code=config.source.read_text() + _headers_stamp(), options=config.options())
+
+
+@functools.lru_cache(maxsize=None)
+def _headers_stamp() -> str:
+    """A comment naming the digest of cuda/*.cuh. CuPy's on-disk cache keys a binary by the source
+    text and the options only, not by the headers it includes: without this line an edited header
+    would keep loading the binary built from the old one."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CUDA_DIR.glob("*.cuh")))).hexdigest()
+    return f"\n// cuda/*.cuh sha256 {digest}\n"
 
 
 @functools.lru_cache(maxsize=None)
