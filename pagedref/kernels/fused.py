@@ -107,20 +107,10 @@ def _check_rows(t, name: str, like: torch.Tensor | None = None, cols: int | None
 
 
 def _check_index(t, name: str, layout: str, ndim: int, dtypes: tuple | torch.dtype, device) -> None:
-    """validate.check_tensor but for its 16-byte start: these kernels need only their vector width's
+    """validate.check_tensor without its 16-byte start: these kernels need only their vector width's
     alignment (`_check_aligned`), and slots, positions and the cos/sin tables are read one element at a
     time, so a slice of a larger tensor (a batch's rows) is fine."""
-    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device} but the other arguments are on {device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
+    validate.check_tensor(t, name, layout, ndim, dtypes if isinstance(dtypes, tuple) else (dtypes,), device, aligned=False)
 
 
 def _check_weight(weight, x: torch.Tensor) -> None:

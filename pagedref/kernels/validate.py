@@ -38,8 +38,9 @@ class AttentionShape:
     dtype: torch.dtype
 
 
-def check_tensor(t, name: str, layout: str, ndim: int, dtypes: tuple, device: torch.device | None = None) -> None:
-    """Type, rank, dtype, device, contiguity and 16-byte alignment of one argument."""
+def check_tensor(t, name: str, layout: str, ndim: int, dtypes: tuple, device: torch.device | None = None,
+                 aligned: bool = True) -> None:
+    """Type, rank, dtype, device, contiguity and (aligned) a 16-byte start of one argument."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
     if t.dim() != ndim:
@@ -50,7 +51,7 @@ def check_tensor(t, name: str, layout: str, ndim: int, dtypes: tuple, device: to
         raise ValueError(f"{name} is on {t.device} but the other arguments are on {device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
-    if t.numel() and t.data_ptr() % 16:
+    if aligned and t.numel() and t.data_ptr() % 16:
         raise ValueError(f"{name} must start on a 16-byte boundary (the kernels load 16 bytes at a time)")
 
 
