@@ -171,12 +171,12 @@ class _Handlers:
             text, ids = self._process(given)
             max_tokens = self._max_tokens(req.max_tokens, len(ids), "max_tokens", default_to_room=req.max_tokens is None)
             prompts.append(_Prompt(text, ids, self._check_params(req.sampling_params(max_tokens, req.logprobs), "logprobs")))
-        stream = self._submit("cmpl", prompts, arrival)
+        sub = self._submit("cmpl", prompts, arrival)
         if req.stream:
-            return self._sse(request, stream, _CompletionChunks(self, req, prompts, stream.id))
-        finals = await self._wait(request, stream)
+            return self._sse(request, sub, _CompletionChunks(self, req, prompts, sub.id))
+        finals = await self._wait(request, sub)
         choices, completion_tokens = [], 0
-        for i, (rid, p) in enumerate(zip(stream.request_ids, prompts)):
+        for i, (rid, p) in enumerate(zip(sub.request_ids, prompts)):
             for c in finals[rid].outputs:
                 prefix = self._prompt_text(p, req.skip_special_tokens) if req.echo else ""
                 logprobs = None
@@ -185,7 +185,7 @@ class _Handlers:
                 choices.append({"index": i * req.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
                 completion_tokens += len(c.token_ids)
-        return {"id": stream.id, "object": "text_completion", "created": int(time.time()),
+        return {"id": sub.id, "object": "text_completion", "created": int(time.time()),
                 "model": self.config.served_model_name, "choices": choices,
                 "usage": _usage(sum(len(p.token_ids) for p in prompts), completion_tokens)}
 
@@ -207,17 +207,17 @@ class _Handlers:
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(requested, len(ids), param, default_to_room=requested is None)
         prompts = [_Prompt(text, ids, self._check_params(req.sampling_params(max_tokens, req.num_logprobs), "top_logprobs"))]
-        stream = self._submit("chatcmpl", prompts, arrival)
+        sub = self._submit("chatcmpl", prompts, arrival)
         if req.stream:
-            return self._sse(request, stream, _ChatChunks(self, req, prompts, stream.id))
-        finals = await self._wait(request, stream)
-        out = finals[stream.request_ids[0]]
+            return self._sse(request, sub, _ChatChunks(self, req, prompts, sub.id))
+        finals = await self._wait(request, sub)
+        out = finals[sub.request_ids[0]]
         choices = []
         for c in out.outputs:
             logprobs = {"content": self._chat_logprobs(c, 0, len(c.token_ids), req.top_logprobs or 0)} if req.logprobs else None
             choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {"id": stream.id, "object": "chat.completion", "created": int(time.time()),
+        return {"id": sub.id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.config.served_model_name, "choices": choices,
                 "usage": _usage(len(ids), sum(len(c.token_ids) for c in out.outputs))}
 
