@@ -8,7 +8,7 @@ block table, sharing) → kernels (CUDA through CuPy) → engine (continuous bat
 from pathlib import Path
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "DEFAULT_MODEL"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "EngineArgs", "RequestOutput", "CompletionOutput", "DEFAULT_MODEL"]
 
 # The small Llama that ships inside the package (trained by `python -m pagedref.train_default` on this
 # project's own lessons): `LLM(model=pagedref.DEFAULT_MODEL)`, and what `python -m pagedref.generate` runs.
@@ -21,14 +21,14 @@ def __getattr__(name: str):
         from pagedref.engine.llm import LLM
 
         return LLM
-    if name in ("SamplingParams",):
-        from pagedref.engine.sampling import SamplingParams
+    if name in ("SamplingParams", "BeamSearchParams"):
+        from pagedref.engine import sampling_params
 
-        return SamplingParams
-    if name == "BeamSearchParams":
-        from pagedref.engine.sampling import BeamSearchParams
+        return getattr(sampling_params, name)
+    if name == "EngineArgs":
+        from pagedref.engine.config import EngineArgs
 
-        return BeamSearchParams
+        return EngineArgs
     if name in ("RequestOutput", "CompletionOutput"):
         from pagedref.engine import sequence
 

@@ -26,9 +26,9 @@ from matplotlib.patches import Rectangle  # noqa: E402
 
 from pagedref.bench import memory as bench_memory  # noqa: E402
 from pagedref.engine.block_manager import BlockManager  # noqa: E402
-from pagedref.engine.sampling import SamplingParams  # noqa: E402
+from pagedref.engine.sampling import SamplerOutput, SamplingParams  # noqa: E402
 from pagedref.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from pagedref.engine.sequence import Sequence, SequenceStatus  # noqa: E402
+from pagedref.engine.sequence import Sequence  # noqa: E402
 from pagedref.memory.block_allocator import BlockAllocator  # noqa: E402
 from pagedref.memory.block_table import BlockTable  # noqa: E402
 
@@ -274,25 +274,22 @@ def run_scheduler(requests, scheduler: Scheduler, num_steps: int) -> list[StepRe
     """The engine's Scheduler on a trace of (arrival step, name, prompt tokens, tokens to generate),
     driven step by step as the engine drives it, without a model: a sequence whose scheduled tokens
     complete it 'samples' a placeholder token, and finishes after its tokens to generate."""
-    names, left, steps = {}, {}, []
+    names, steps = {}, []
     for step in range(num_steps):
         for arrival, name, prompt_len, max_tokens in requests:
             if arrival == step:
                 # Distinct token ids per request (the prefix cache, off here, would find nothing anyway).
                 seq = Sequence(len(names), name, list(range(1000 * len(names), 1000 * len(names) + prompt_len)),
                                prompt_len, SamplingParams(max_tokens=max_tokens))
-                names[seq.seq_id], left[seq.seq_id] = name, max_tokens
+                names[seq.seq_id] = name
                 scheduler.add(seq)
         out = scheduler.schedule()
-        steps.append(StepRecord([(names[seq.seq_id], n, not seq.is_prefill) for seq, n in out.scheduled],
+        steps.append(StepRecord([(names[e.seq.seq_id], e.num_new_tokens, e.num_new_tokens == 1 and bool(e.sample_seqs))
+                                 for e in out.scheduled],  # a decode: one token to compute, and it samples
                                 [names[seq.seq_id] for seq in out.preempted], scheduler.block_manager.live_usage()[1]))
-        for seq, n in out.scheduled:  # what the engine does after the forward pass
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:  # the prompt is done: a token is sampled
-                seq.token_ids.append(0)
-                left[seq.seq_id] -= 1
-                if left[seq.seq_id] == 0:
-                    scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH_CAPPED)
+        # what the model runner and update do after the forward pass: each sampling sequence gets token 0,
+        # and finishes after its tokens to generate (max_tokens)
+        scheduler.update(out, SamplerOutput([0] * len(out.sampling_seqs())))
     return steps
 
 

@@ -1,7 +1,10 @@
 """Learner mode: the skeleton generated from the reference imports, fails every stage with a message
 naming the stage and the function to write, and the reference passes the same tests.
 
-Also: the stage registry in pagedref.course is the one list of stages, and it agrees with stages/.
+Also: the stage registry in pagedref.course is the one list of stages, and it agrees with stages/;
+and a learner package completed with the reference's own code passes every stage under --impl (the
+stage tests reach the learner's modules only through `lesson()`, and the engine runs a learner's
+scheduler and block manager through the step contract).
 """
 
 from __future__ import annotations
@@ -229,3 +232,36 @@ def test_skeleton_fails_every_stage_and_the_reference_passes(skeleton, tmp_path)
     results, log = _run_stages(tmp_path, *rerun)  # the same tests, against the reference
     assert {r["nodeid"] for r in results if r["when"] == "call" and r["outcome"] == "passed"} == set(rerun), log
     assert not broken, "test modules that call a lesson at import time:\n" + "\n".join(broken)
+
+
+# --- a learner who wrote the reference ------------------------------------------------------------
+class _Completed(course._Skeleton):
+    """A lesson module as the reference writes it, its imports of lesson modules pointed at the learner's
+    package: what a learner who wrote exactly the reference would have."""
+
+    def _stub(self, fn, qualname: str) -> None:
+        pass
+
+    def _drop(self, node) -> None:
+        pass
+
+
+def _lesson_path(root: Path, module: str) -> Path:
+    rel = module.split(".")[1:]
+    if course.module_path(module).name == "__init__.py":
+        return root.joinpath(*rel, "__init__.py")
+    return root.joinpath(*rel[:-1], rel[-1] + ".py")
+
+
+@pytest.mark.skipif(not STAGES_WITH_TESTS, reason="no stage has tests yet")
+def test_a_learner_package_completed_with_the_reference_passes_every_stage(tmp_path):
+    dest = tmp_path / "donepagedref"
+    course.init(dest)
+    for module in _present_lessons():
+        source = _Completed(module, dest.name, course.module_path(module).read_text(),
+                            importlib.import_module(module)).source()
+        _lesson_path(dest, module).write_text(source)
+    results, log = _run_stages(tmp_path, "stages", "--impl", str(dest))
+    failed = [f"{r['nodeid']}: {r['message'][:300]}" for r in results if r["outcome"] == "failed"]
+    assert not failed, "\n".join(failed) + "\n" + log
+    assert "passed" in log and " 0 passed" not in log, log

@@ -89,12 +89,13 @@ class CheckingEngine(LLMEngine):
         cfg, bm = self.scheduler.config, self.block_manager
         assert sched.num_batched_tokens <= cfg.max_num_batched_tokens, "token budget exceeded"
         assert len(sched.scheduled) <= cfg.max_num_seqs, "max_num_seqs exceeded"
-        ids = [s.seq_id for s, _ in sched.scheduled]
+        ids = [s.seq.seq_id for s in sched.scheduled]
         assert len(ids) == len(set(ids)), "a sequence scheduled twice in one step"
         assert not {s.seq_id for s in sched.preempted} & set(ids), "a scheduled sequence was preempted"
-        for seq, n in sched.scheduled:
+        for s in sched.scheduled:
+            seq, n = s.seq, s.num_new_tokens
             assert seq.status is SequenceStatus.RUNNING and n >= 1
-            assert len(bm.block_ids(seq)) == cdiv(seq.num_computed_tokens + n, bm.block_size), "slots != tokens"
+            assert len(bm.block_ids(seq)) == cdiv(s.num_computed_tokens + n, bm.block_size), "slots != tokens"
         queues = [list(self.scheduler.waiting), self.scheduler.running, list(self.scheduler.swapped)]
         everyone = [s.seq_id for q in queues for s in q]
         assert len(everyone) == len(set(everyone)), "a sequence is in two queues"
@@ -105,7 +106,7 @@ class CheckingEngine(LLMEngine):
         finally:
             del self.scheduler.schedule
         flat = self.runner.kv_caches[0][0].view(-1)
-        for seq, _ in sched.scheduled:  # every computed token's K/V, read back through the block table
+        for seq in (s.seq for s in sched.scheduled):  # every computed token's K/V, read back through the block table
             if bm.has_blocks(seq):
                 blocks, value = bm.block_ids(seq), 0
                 for p in range(seq.num_computed_tokens):
@@ -125,7 +126,7 @@ def make_engine(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=8, m
         bm = BlockManager(num_blocks, block_size, max_model_len, prefix_caching, num_cpu_blocks)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked, preemption_mode, prefill_first), bm)
     model = ChainModel()
-    runner = ModelRunner(model, ReferenceBackend(), bm, num_blocks, block_size, "cpu", torch.float64, num_cpu_blocks)
+    runner = ModelRunner(model, ReferenceBackend(), num_blocks, block_size, "cpu", torch.float64, num_cpu_blocks)
     return CheckingEngine(model, NumberTokenizer(), runner, scheduler, max_model_len, seed=seed)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from pagedref.engine.block_manager import BlockManager
 from pagedref.engine.model_runner import ModelRunner
-from pagedref.engine.sampling import SamplingParams
+from pagedref.engine.sampling import SamplerOutput, SamplingParams
 from pagedref.engine.scheduler import Scheduler, SchedulerConfig
 from pagedref.engine.sequence import Sequence
 
@@ -26,13 +26,13 @@ def make_runner(prompt_lens: list[int], budget: int = 64):
     for seq in seqs:
         scheduler.add(seq)
     config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, head_dim=2)
-    return ModelRunner(SimpleNamespace(config=config), None, bm, 64, BLOCK_SIZE, "cpu", torch.float32), scheduler, seqs
+    return ModelRunner(SimpleNamespace(config=config), None, 64, BLOCK_SIZE, "cpu", torch.float32), scheduler, seqs
 
 
 def test_block_tables_are_each_sequences_blocks_padded_with_minus_one():
     runner, scheduler, seqs = make_runner([3, 17, 6, 1])  # 1, 5, 2 and 1 blocks
     step = runner.prepare(scheduler.schedule())
-    tables = [runner.block_manager.block_ids(s) for s in seqs]
+    tables = [scheduler.block_manager.block_ids(s) for s in seqs]
     width = max(len(t) for t in tables)
     assert step.meta.block_tables.dtype == torch.int32
     assert step.meta.block_tables.tolist() == [t + [-1] * (width - len(t)) for t in tables]
@@ -41,16 +41,14 @@ def test_block_tables_are_each_sequences_blocks_padded_with_minus_one():
 def test_decodes_and_prefills_together_give_one_row_per_sequence_in_batch_order():
     runner, scheduler, seqs = make_runner([5, 2])
     out = scheduler.schedule()
-    for seq, n in out.scheduled:  # the prompts are computed; each samples one token
-        seq.num_computed_tokens += n
-        seq.token_ids.append(7)
+    scheduler.update(out, SamplerOutput([7, 7]))  # the prompts are computed; each samples one token
     late = Sequence(9, "r9", list(range(10)), 10, SamplingParams())
     scheduler.add(late)
     out = scheduler.schedule()  # two decodes, then late's whole prompt
     step = runner.prepare(out)
-    assert [s.seq_id for s, _ in out.scheduled] == [0, 1, 9]
+    assert [s.seq.seq_id for s in out.scheduled] == [0, 1, 9]
     assert step.meta.context_lens.tolist() == [6, 3, 10] and step.meta.query_start_loc.tolist() == [0, 1, 2, 12]
     assert step.positions.tolist() == [5, 2] + list(range(10))
-    tables = [runner.block_manager.block_ids(s) for s in (seqs[0], seqs[1], late)]
+    tables = [scheduler.block_manager.block_ids(s) for s in (seqs[0], seqs[1], late)]
     assert step.meta.block_tables.tolist() == [t + [-1] * (3 - len(t)) for t in tables]
     assert step.sample_rows == [0, 1, 11]

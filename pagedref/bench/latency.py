@@ -18,7 +18,7 @@ the arrivals that is the offered load whatever the budget; a budget that costs c
 longer makespan.
 
 Invariant: each configuration sees the same requests at the same arrival times, with the same
-random-weight model (`pagedref.bench.serve.random_model_dir`) and the same KV pool.
+random-weight model (`pagedref.bench.common.random_model_dir`) and the same KV pool.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from pagedref.bench.serve import (SHAPES, _free, _sync, add_output_flags, emit, environment, pyplot, random_model_dir,
-                                  parse_or_replay, save_figure, sharegpt_lengths)
+from pagedref.bench.common import (SHAPES, add_output_flags, emit, environment, free_device, parse_or_replay, pyplot,
+                                   random_model_dir, save_figure, sharegpt_lengths, sync_device)
 
 # A long prompt every 0.5 s on average for the 30 s of chat arrivals: at the 8B shape on an H200 its
 # prefill takes ~0.3 s of the GPU, and with CUDA graphs a decode step ~15 ms, so the long prompts'
@@ -148,7 +148,7 @@ def run_config(model_dir: Path, trace: list[Arrival], config: int | str, args: a
               enforce_eager=args.enforce_eager, prefill_first=not chunked and UNCHUNKED[config])
     try:
         llm.generate([{"prompt_token_ids": trace[0].prompt_token_ids[:8]}], SamplingParams(temperature=0, max_tokens=4))  # warm-up
-        _sync(device)
+        sync_device(device)
         log(f"[latency] {name}: {len(trace)} requests, max_num_batched_tokens={tokens}")
         engine = llm.llm_engine
         engine.reset_stats()
@@ -157,7 +157,7 @@ def run_config(model_dir: Path, trace: list[Arrival], config: int | str, args: a
     finally:
         llm.close()
         del llm
-        _free(device)
+        free_device(device)
     itl = tl.itl("chat") * 1e3
     out_tokens = sum(len(t) for t in tl.token_times.values())
     prompt_tokens = sum(len(a.prompt_token_ids) for a in trace)
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:  # keep the other configurations' numbers
             log(f"[latency] {config_name(config)} failed: {type(err).__name__}: {err}")
             row = {"config": config_name(config), "skipped": f"{type(err).__name__}: {err}"}
-            _free(device)
+            free_device(device)
         doc["results"].append(row)
         if args.json_out:
             args.json_out.write_text(json.dumps(doc, indent=2))

@@ -27,6 +27,7 @@ import argparse
 import json
 import random
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 
-from pagedref.bench import serve
+from pagedref.bench import common, serve
 from pagedref.bench.memory import BLOCK_SIZE
 from pagedref.bench.step import PHASES, PhaseTimer
 
@@ -176,7 +177,7 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
                              num_seqs * context * kv_per_token, 2.0 * num_seqs * num_params)
     finally:
         llm.close()
-        serve._free(device)
+        common.free_device(device)
 
 
 def _phases(engine, timed_step, steps: int) -> dict[str, float]:
@@ -232,20 +233,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-kv-blocks", type=int, default=4096, help="the KV budget in blocks of 16, for both engines")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model-dir", type=Path, default=Path(serve.tempfile.gettempdir()))
+    ap.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()))
     ap.add_argument("--json-out", type=Path, help="also write the results document here")
     args = ap.parse_args(argv)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     shape = args.model_shape or ("llama-3.1-8b" if device == "cuda" else "tiny")
-    if shape not in serve.SHAPES:
-        ap.error(f"--model-shape {shape!r} is not one of {', '.join(serve.SHAPES)}")
+    if shape not in common.SHAPES:
+        ap.error(f"--model-shape {shape!r} is not one of {', '.join(common.SHAPES)}")
     for flag in ("num_requests", "prompt_len", "num_kv_blocks", "steps"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1")
-    model_dir = serve.random_model_dir(shape, args.model_dir, device, seed=args.seed)
+    model_dir = common.random_model_dir(shape, args.model_dir, device, seed=args.seed)
     results = [measure(model_dir, kv, args.num_requests, args.prompt_len, device, args.num_kv_blocks, args.steps,
                        seed=args.seed) for kv in ("paged", "contiguous")]
-    doc = {"benchmark": "profile", "environment": serve.environment(device), "shape": shape,
+    doc = {"benchmark": "profile", "environment": common.environment(device), "shape": shape,
            "num_requests": args.num_requests, "prompt_len": args.prompt_len, "num_kv_blocks": args.num_kv_blocks,
            "copy_bandwidth": copy_bandwidth(torch.device(device)), "results": [asdict(r) for r in results]}
     if args.json_out:

@@ -34,113 +34,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import inspect
 import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pagedref.bench.memory import BLOCK_SIZE, MAX_MODEL_LEN, WORKLOADS, lognormal_lengths
+from pagedref.bench.common import (SHAPES, add_output_flags, emit, environment, free_device, parse_or_replay,  # noqa: F401
+                                   pyplot, random_model_dir, save_figure, sharegpt_lengths, sync_device)
+from pagedref.bench.memory import BLOCK_SIZE, MAX_MODEL_LEN
 
 SYSTEMS = ("pagedref", "contiguous", "hf-static", "hf-continuous")
 # vLLM's benchmark_throughput default. An offline run ends in a tail: the last, longest requests decode a
 # few at a time, as many steps in every engine, so the fewer the requests the more of a run the tail is
 # and the less memory decides its throughput (docs/benchmarks.md: the ratios at 500 and 1000).
 NUM_PROMPTS = 1000
-
-# Real configurations (as on the Hub, transformers 4.x layout), so that the weights' and the KV cache's
-# shapes, and so the memory traffic, are the real models'. "tiny" runs on a CPU in seconds (tests).
-_LLAMA3 = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "vocab_size": 128256,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "max_position_embeddings": 131072, "attention_bias": False, "mlp_bias": False,
-    "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
-}
-SHAPES: dict[str, dict[str, Any]] = {
-    "llama-3.2-1b": {
-        **_LLAMA3, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "head_dim": 64,
-        "tie_word_embeddings": True,
-        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-    },
-    "llama-3.1-8b": {
-        **_LLAMA3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "head_dim": 128,
-        "tie_word_embeddings": False,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-    },
-    "tiny": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "vocab_size": 512,
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "max_position_embeddings": 16384, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
-        "torch_dtype": "float32",
-    },
-}
-INIT_STD = 0.02  # transformers' initializer_range: random weights of a sensible scale (no NaN, no overflow)
-
-
-# ----------------------------------------------------------------------------------- random weights
-
-
-def random_model_dir(shape: str, root: Path, device: str, seed: int = 0, log=print) -> Path:
-    """A Hugging Face directory with `shape`'s config and random weights, made once and reused.
-
-    config.json, generation_config.json, model.safetensors (the checkpoint's dtype; norms 1, every
-    other tensor N(0, 0.02)), and a word-level tokenizer.json ("t0".."tN": the engine wants one; the
-    benchmarks pass token ids).
-    """
-    import torch
-    from safetensors.torch import save_file
-
-    from pagedref.models import LlamaForCausalLM, ModelConfig
-
-    cfg = SHAPES[shape]
-    path = root / f"pagedref-random-{shape}"
-    done = path / ".complete"
-    if done.is_file() and json.loads((path / "config.json").read_text()) == cfg:
-        return path
-    log(f"[serve] writing random {shape} weights to {path} ...")
-    path.mkdir(parents=True, exist_ok=True)
-    config = ModelConfig.from_dict(cfg)
-    with torch.device("meta"):  # names and shapes only: the project's own model says what the loader reads
-        skeleton = LlamaForCausalLM(config, dtype=config.dtype)
-    gen_device = device if device == "cuda" and torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=gen_device).manual_seed(seed)
-    tensors = {}
-    for name, p in skeleton.named_parameters():  # a tied lm_head is listed once, as the embedding
-        if name.endswith("norm.weight"):
-            t = torch.ones(p.shape, dtype=config.dtype)
-        else:
-            t = torch.empty(p.shape, dtype=torch.float32, device=gen_device).normal_(0.0, INIT_STD, generator=gen)
-            t = t.to(config.dtype).cpu()
-        tensors[name] = t
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    del tensors
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}))
-    _word_tokenizer(cfg["vocab_size"]).save(str(path / "tokenizer.json"))
-    done.write_text("ok\n")
-    return path
-
-
-def _word_tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return tok
-
 
 # ------------------------------------------------------------------------------------------- workload
 
@@ -149,19 +62,6 @@ def _word_tokenizer(vocab_size: int):
 class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int
-
-
-def sharegpt_lengths(rng: np.random.Generator, num: int, max_model_len: int = MAX_MODEL_LEN) -> list[tuple[int, int]]:
-    """num (prompt, output) lengths from the paper's ShareGPT lognormals, kept as vLLM keeps ShareGPT pairs."""
-    w = WORKLOADS[0]
-    assert w.name == "sharegpt"
-    kept: list[tuple[int, int]] = []
-    while len(kept) < num:
-        p = lognormal_lengths(rng, w.input_mean, w.input_sigma, 4 * num)
-        o = lognormal_lengths(rng, w.output_mean, w.output_sigma, 4 * num)
-        ok = (p >= 4) & (o >= 4) & (p <= 1024) & (p + o <= max_model_len)
-        kept += list(zip(p[ok].tolist(), o[ok].tolist()))
-    return kept[:num]
 
 
 def make_requests(num: int, vocab_size: int, seed: int, input_len: int | None = None,
@@ -205,21 +105,6 @@ class Result:
         return d
 
 
-def _sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _free(device: str) -> None:
-    import torch
-
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-
-
 # --------------------------------------------------------------------------------- (a), (b): pagedref
 
 
@@ -256,10 +141,10 @@ def run_pagedref(model_dir: Path, reqs: list[BenchRequest], kv_cache: str, llm_k
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
         params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
         log(f"[serve] {name}: {len(reqs)} requests, {llm.num_kv_blocks} KV blocks of {BLOCK_SIZE}")
-        _sync(llm_kwargs["device"])
+        sync_device(llm_kwargs["device"])
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=True)
-        _sync(llm_kwargs["device"])
+        sync_device(llm_kwargs["device"])
         elapsed = time.perf_counter() - start
         stats = llm.get_stats()
         produced = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -275,7 +160,7 @@ def run_pagedref(model_dir: Path, reqs: list[BenchRequest], kv_cache: str, llm_k
     finally:
         llm.close()
         del llm
-        _free(llm_kwargs["device"])
+        free_device(llm_kwargs["device"])
 
 
 # ------------------------------------------------------------------------------ (c), (d): transformers
@@ -361,7 +246,7 @@ def run_hf_static(model_dir: Path, reqs: list[BenchRequest], device: str, dtype:
             log(f"[serve] hf-static: {len(batches)} batches (largest {max(map(len, batches))})")
             done: list[BenchRequest] = []
             shares: list[tuple[float, int]] = []
-            _sync(device)
+            sync_device(device)
             start = time.perf_counter()
             for batch in tqdm(batches, desc="hf-static batches", file=sys.stderr):
                 generate_static_batch(model, batch, device)
@@ -369,7 +254,7 @@ def run_hf_static(model_dir: Path, reqs: list[BenchRequest], device: str, dtype:
                 shares.append(static_token_state_share(batch))
                 if time.perf_counter() - start > time_limit_s:
                     break
-            _sync(device)
+            sync_device(device)
             elapsed = time.perf_counter() - start
         note = f"{len(shares)} of {len(batches)} batches (time limit {time_limit_s:g} s)" if len(done) < len(reqs) else f"{len(batches)} batches"
         weights = np.array([steps for _, steps in shares], dtype=float)
@@ -380,7 +265,7 @@ def run_hf_static(model_dir: Path, reqs: list[BenchRequest], device: str, dtype:
         )
     finally:
         del model
-        _free(device)
+        free_device(device)
 
 
 def continuous_batching_api(model) -> str | None:
@@ -438,7 +323,7 @@ def run_hf_continuous(model_dir: Path, reqs: list[BenchRequest], device: str, dt
                         raise RuntimeError(f"transformers' continuous batching failed request {res.request_id}: {res.error}")
                     finished[res.request_id] = len(res.generated_tokens)
                     bar.update(1)
-            _sync(device)
+            sync_device(device)
             elapsed = time.perf_counter() - start
             bar.close()
         done = [r for i, r in enumerate(reqs) if f"r{i}" in finished]
@@ -453,7 +338,7 @@ def run_hf_continuous(model_dir: Path, reqs: list[BenchRequest], device: str, dt
         if hasattr(model, "destroy_cached_continuous_batching_manager"):
             model.destroy_cached_continuous_batching_manager()
         del model
-        _free(device)
+        free_device(device)
 
 
 def _accepted(fn, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -471,29 +356,6 @@ def _started(manager):
 
 
 # ---------------------------------------------------------------------------------------------- report
-
-
-def environment(device: str) -> dict[str, Any]:
-    import torch
-
-    env = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "python": platform.python_version(),
-           "torch": torch.__version__, "device": device}
-    if device.startswith("cuda"):
-        env["gpu"] = torch.cuda.get_device_name()
-    tf = _transformers()
-    env["transformers"] = tf.__version__ if tf else None
-    # A copy of the tree (the GPU machine) may have no .git, or a stale one: PAGEDREF_COMMIT says which commit it is.
-    env["commit"] = os.environ.get("PAGEDREF_COMMIT") or git_commit()
-    return env
-
-
-def git_commit() -> str | None:
-    try:
-        repo = Path(__file__).resolve().parents[2]
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def format_table(results: list[Result], baseline: str = "pagedref") -> str:
@@ -546,55 +408,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="100 requests, 30 s per transformers system (a smoke test)")
     add_output_flags(p, "output tokens/s per system")
     return p
-
-
-# --- what serve and latency share: output flags, saved results, figures --------------------------------
-
-
-def add_output_flags(p: argparse.ArgumentParser, figure: str) -> None:
-    p.add_argument("--json", action="store_true", help="print the results as one JSON document instead of the table")
-    p.add_argument("--json-out", type=Path, default=None, help="also write the JSON document to this file")
-    p.add_argument("--plot", type=Path, default=None, help=f"draw {figure} into this PNG (matplotlib)")
-    p.add_argument("--from-json", type=Path, default=None,
-                   help="run nothing: print (and --plot) the results saved by an earlier --json-out")
-
-
-def parse_or_replay(parser: argparse.ArgumentParser, argv: list[str] | None, print_report, plot) -> argparse.Namespace | None:
-    """The parsed flags; or, with --from-json, None once the saved results are printed (and plotted)."""
-    args = parser.parse_args(argv)
-    if args.from_json is None:
-        return args
-    if not args.from_json.is_file():
-        parser.error(f"--from-json {args.from_json}: no such file")
-    emit(json.loads(args.from_json.read_text()), args, print_report, plot)
-    return None
-
-
-def emit(doc: dict[str, Any], args: argparse.Namespace, print_report, plot) -> None:
-    """--json-out, the figure (--plot), then the results on stdout: one JSON document (--json) or the report."""
-    if args.json_out:
-        args.json_out.write_text(json.dumps(doc, indent=2))
-    if args.plot:
-        plot(doc, args.plot)
-    if args.json:
-        print(json.dumps(doc, indent=2))
-    else:
-        print_report(doc)
-
-
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=150, metadata={"Software": None})
-    fig.clf()
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
@@ -702,7 +515,7 @@ def run_shape(args: argparse.Namespace, shape: str, systems: list[str], device: 
         except Exception as err:  # one failing system must not cost the others' numbers (the GPU run is expensive)
             log(f"[serve] {system} failed: {type(err).__name__}: {err}")
             res = Result(system, skipped=f"failed: {type(err).__name__}: {err}")
-            _free(device)
+            free_device(device)
         results.append(res)
         if on_result:
             on_result(shape_doc(shape, reqs, num_kv_blocks, results))

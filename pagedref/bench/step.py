@@ -8,13 +8,14 @@ vocabulary of a real model (so the logits, and the sampling over them, have real
 attention backend that writes the step's K/V into its slots and attends to nothing. It measures, per
 step, at a steady number of running sequences:
 
-- schedule  — `Scheduler.schedule()` (block allocation included);
+- schedule  — `Scheduler.schedule()` (block allocation and slot mappings included);
 - prepare   — `ModelRunner.prepare()`: input ids, positions, AttentionMetadata;
 - forward   — the stub model and its lm_head (the part a GPU would run; near zero here, except the
               lm_head matmul over the real vocabulary);
-- sample    — `Sampler` over the step's logits rows;
-- other     — the rest of `LLMEngine.step()`: appending tokens, stop checks (detokenization for stop
-              strings), finishing, outputs and step statistics.
+- sample    — the `Sampler` over the step's logits rows, and reading the tokens back;
+- update    — `Scheduler.update()`: appending tokens, stop checks (detokenization for stop strings),
+              finishing and freeing;
+- other     — the rest of `LLMEngine.step()`: outputs and step statistics.
 
 Two workloads: `decode` (every sequence decodes one token per step) and `chunked` (the same decodes plus
 one long prompt's chunk of prefill per step, chunked prefill). Two request mixes: `greedy` (what
@@ -39,7 +40,7 @@ import torch
 
 from pagedref.memory.block_table import cdiv
 
-PHASES = ("schedule", "prepare", "forward", "sample", "other")
+PHASES = ("schedule", "prepare", "forward", "sample", "update", "other")
 WORKLOADS = ("decode", "chunked")
 SAMPLING = ("greedy", "mixed")
 DEFAULT_NUM_SEQS = (32, 128, 256)
@@ -79,7 +80,7 @@ def stub_config(vocab_size: int) -> dict[str, Any]:
 
 def make_engine(num_seqs: int, vocab_size: int, max_num_batched_tokens: int, seed: int = 0):
     """A real LLMEngine (paged KV, prefix caching, chunked prefill) around the stub model, on the CPU."""
-    from pagedref.bench.serve import _word_tokenizer
+    from pagedref.bench.common import word_tokenizer
     from pagedref.engine.block_manager import BlockManager
     from pagedref.engine.llm import LLMEngine
     from pagedref.engine.model_runner import ModelRunner
@@ -90,12 +91,12 @@ def make_engine(num_seqs: int, vocab_size: int, max_num_batched_tokens: int, see
     torch.manual_seed(seed)
     config = ModelConfig.from_dict(stub_config(vocab_size))
     model = LlamaForCausalLM(config, dtype=torch.float32, batch_invariant=False).eval()
-    tokenizer = Tokenizer(_word_tokenizer(vocab_size), 1, 2)
+    tokenizer = Tokenizer(word_tokenizer(vocab_size), 1, 2)
     max_model_len = LONG_PROMPT_LEN + 1024
     num_blocks = (num_seqs + 4) * (max_model_len // BLOCK_SIZE)  # never preempts: the host cost of a steady batch
     block_manager = BlockManager(num_blocks, BLOCK_SIZE, max_model_len, enable_prefix_caching=True)
     scheduler = Scheduler(SchedulerConfig(num_seqs + 64, max_num_batched_tokens, True), block_manager)
-    runner = ModelRunner(model, StubAttentionBackend(), block_manager, num_blocks, BLOCK_SIZE, "cpu", torch.float32)
+    runner = ModelRunner(model, StubAttentionBackend(), num_blocks, BLOCK_SIZE, "cpu", torch.float32)
     return LLMEngine(model, tokenizer, runner, scheduler, max_model_len, seed)
 
 
@@ -124,10 +125,27 @@ class PhaseTimer:
         self._wrap(engine.runner, "prepare", "prepare")
         self._wrap(engine.runner, "run_model", "forward")
         self._wrap(engine.model, "compute_logits", "forward")
-        self._wrap(engine.runner, "sample", "sample")
+        self._wrap(engine.runner.sampler, "sample_tokens", "sample")
+        self._wrap(engine.scheduler, "update", "update", reads_tokens=True)
 
-    def _wrap(self, obj, method: str, phase: str) -> None:
+    def _wrap(self, obj, method: str, phase: str, reads_tokens: bool = False) -> None:
+        """reads_tokens: the call's second argument is the runner's output; the wait for its tokens to
+        reach the host is the sampler's (what update waits for), not update's."""
         fn = getattr(obj, method)
+        times = self.times
+        if reads_tokens:
+            def timed(out, sampled, *args, **kwargs):
+                t0 = time.perf_counter()
+                sampled.token_ids  # noqa: B018  (the host copy of the tokens: it waits for the device)
+                t1 = time.perf_counter()
+                times["sample"] += t1 - t0
+                try:
+                    return fn(out, sampled, *args, **kwargs)
+                finally:
+                    times[phase] += time.perf_counter() - t1
+
+            setattr(obj, method, timed)
+            return
 
         def timed(*args, **kwargs):
             t0 = time.perf_counter()

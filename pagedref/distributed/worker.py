@@ -1,12 +1,17 @@
 """Rank 0 drives, the other ranks follow: the tensor-parallel workers, their loop, and what rank 0 sends them.
 
-One idea: the scheduler and the block manager exist once, on rank 0. Each step rank 0 builds the
+One idea: the scheduler and the block manager exist once, on rank 0: it schedules and updates (the
+step contract of `pagedref.engine.scheduler`); the other ranks only execute. Each step rank 0 builds the
 step's inputs (token ids, positions, and the AttentionMetadata: one block table, valid on every
 rank, since every rank's KV pool has the same blocks, each holding that rank's own KV heads) and its
 block operations (swap-outs, copy-on-write copies, swap-ins), broadcasts them as one `StepMessage`,
 and then every rank does the same to its own shard: the block operations on its own pools, then
 the forward pass, whose all-reduces keep the ranks in step. Only rank 0 computes logits and samples.
 Besides steps, rank 0 sends a few commands (`WorkerPool.run`): build the KV pool, profile memory.
+This package knows no engine and no model: the spec names the model runner class a worker builds
+its shard with (`pagedref.engine.model_runner.ModelRunner`: `load_shard`, then the runner itself;
+its `DriverRunner` is rank 0's side), so the engine and the models depend on `pagedref.distributed`
+and never the other way round.
 
 Two ways to start the workers: `WorkerPool.spawn` (rank 0 starts ranks 1..N-1 itself with
 torch.multiprocessing, one GPU each on this host), or torchrun (it starts every rank; rank 0 runs
@@ -21,7 +26,6 @@ rank 0 dies exits too: its next receive fails as rank 0's sockets close.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import threading
@@ -39,7 +43,6 @@ import torch.multiprocessing as mp
 
 from pagedref.backends.metadata import AttentionMetadata
 from pagedref.distributed.parallel import DEFAULT_TIMEOUT_S, TPGroup, destroy_tp_group, init_tp_group, tp_backend
-from pagedref.engine.model_runner import ModelRunner, profile_num_gpu_blocks
 
 JOIN_TIMEOUT_S = 10.0  # a worker told to close gets this long before it is terminated, then killed
 
@@ -57,6 +60,7 @@ class WorkerSpec:
     dtype: torch.dtype
     batch_invariant: bool
     timeout_s: float = DEFAULT_TIMEOUT_S
+    runner_cls: type | None = None  # what a worker builds its shard with (pickled by name): the engine's ModelRunner
 
 
 @dataclass
@@ -75,48 +79,21 @@ class Worker:
     """Rank r > 0: its shard of the model and of the KV cache; runs what rank 0 sends."""
 
     def __init__(self, spec: WorkerSpec, tp: TPGroup) -> None:
-        from pagedref.backends import get_backend
-        from pagedref.models import load_model
-
         self.spec, self.tp = spec, tp
-        self.model = load_model(spec.model, device=spec.device, dtype=spec.dtype,
-                                batch_invariant=spec.batch_invariant, tp=tp)
-        self.backend = get_backend("reference" if spec.device == "cpu" else "cuda")
+        self.model, self.backend = spec.runner_cls.load_shard(spec.model, spec.device, spec.dtype, spec.batch_invariant, tp)
         self.runner = None
 
     def init_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int) -> None:
-        self.runner = ModelRunner(self.model, self.backend, None, num_blocks, block_size, self.spec.device,
-                                  self.spec.dtype, num_cpu_blocks, tp_size=self.tp.size)
+        self.runner = self.spec.runner_cls(self.model, self.backend, num_blocks, block_size, self.spec.device,
+                                           self.spec.dtype, num_cpu_blocks, tp_size=self.tp.size)
 
-    def profile_num_blocks(self, *args) -> None:
+    def profile_num_blocks(self, profile, *args) -> None:
         """Profile this GPU like rank 0 does (the forward pass is collective), then agree on the minimum."""
-        self.tp.all_min(profile_num_gpu_blocks(self.model, self.backend, *args))
+        self.tp.all_min(profile(self.model, self.backend, *args))
 
     def execute_model(self, msg: StepMessage) -> None:
         dev = self.runner.device
-        self.runner.run_model(msg.input_ids.to(dev), msg.positions.to(dev), msg.meta.to(dev), msg)
-
-
-class DriverRunner(ModelRunner):
-    """Rank 0's model runner: each step goes to the workers first, then rank 0 runs its own shard of it."""
-
-    def __init__(self, *args, workers: "WorkerPool", **kwargs) -> None:
-        super().__init__(*args, **kwargs, tp_size=workers.tp.size)
-        self.workers = workers
-
-    def run_model(self, input_ids, positions, meta, blocks) -> torch.Tensor:
-        # CPU copies for the pickle (blocking: a non_blocking copy off the GPU could be pickled unfinished).
-        cpu_meta = dataclasses.replace(meta, **{f: getattr(meta, f).cpu() for f in
-                                                ("slot_mapping", "query_start_loc", "context_lens", "block_tables")})
-        msg = StepMessage(input_ids.cpu(), positions.cpu(), cpu_meta, blocks.blocks_to_swap_out,
-                          blocks.blocks_to_copy, blocks.blocks_to_swap_in)
-        with self.workers.guard():
-            self.workers.send_step(msg)
-            return super().run_model(input_ids, positions, meta, blocks)
-
-    def close(self) -> None:
-        super().close()
-        self.workers.close()
+        self.runner.run_model(msg.input_ids.to(dev), msg.positions.to(dev), msg.meta.to(dev), msg, msg.meta)
 
 
 def serve(spec: WorkerSpec, tp: TPGroup) -> None:
@@ -244,18 +221,12 @@ class WorkerPool:
     def send_step(self, msg: StepMessage) -> None:
         self.run("execute_model", msg)
 
-    def profile_num_blocks(self, model, backend, *args) -> int:
-        """KV blocks that fit on every GPU: each rank profiles its own (the forward pass is collective)."""
-        self.run("profile_num_blocks", *args)
+    def profile_num_blocks(self, profile, model, backend, *args) -> int:
+        """KV blocks that fit on every GPU: each rank profiles its own with `profile` (the forward pass is
+        collective), the minimum wins."""
+        self.run("profile_num_blocks", profile, *args)
         with self.guard():
-            return self.tp.all_min(profile_num_gpu_blocks(model, backend, *args))
-
-    def driver_runner(self, model, backend, block_manager, num_blocks: int, block_size: int, device, dtype,
-                      num_cpu_blocks: int = 0) -> "DriverRunner":
-        """Rank 0's model runner, once every worker has built its own KV pools of the same blocks."""
-        self.run("init_kv_cache", num_blocks, block_size, num_cpu_blocks)
-        return DriverRunner(model, backend, block_manager, num_blocks, block_size, device, dtype, num_cpu_blocks,
-                            workers=self)
+            return self.tp.all_min(profile(model, backend, *args))
 
     @contextmanager
     def guard(self) -> Iterator[None]:

@@ -1,13 +1,15 @@
 """Beam search on copy-on-write blocks (vLLM's `LLM.beam_search`: same algorithm, same outputs).
 
-One idea: every beam is a sequence in the engine. Each round, every live beam computes its newest
-token and reports the 2 × beam_width most likely next tokens (logprobs); the best beam_width
-extensions of each prompt survive. A surviving extension is a *fork* of its parent beam: it shares
-all the parent's blocks (no K/V copied, none recomputed), and only the partly filled last block is
-copied, by copy-on-write, when the child writes its first token into it. Parents whose extensions
-all lost are dropped and their blocks freed. Between rounds a beam holds its blocks while idle
-(`Sequence.keep_blocks`); if the pool runs short the scheduler may take them back first, and the
-child is then recomputed from its tokens (the prefix cache usually still has them).
+One idea: every beam is a sequence in the engine, and a request of beam search goes through the same
+step contract as any other. Each round, every live beam computes its newest token and reports the
+2 × beam_width most likely next tokens (its logprobs); when every live beam of the request has
+reported, `Scheduler.update` ranks them (`rank_round`) and the best beam_width extensions survive.
+A surviving extension is a *fork* of its parent beam: it shares all the parent's blocks (no K/V
+copied, none recomputed), and only the partly filled last block is copied, by copy-on-write, when the
+child writes its first token into it. Parents are then freed. Between its report and the ranking a
+beam is idle (nothing to compute) and keeps its blocks; if the pool runs short the scheduler takes
+them back first, and its children are then recomputed from their tokens (the prefix cache usually
+still has them).
 
 Ranking, as vLLM (and transformers): score = cumulative logprob / len(tokens) ** length_penalty,
 where tokens include the prompt and a final eos is not counted. A beam that emits eos (unless
@@ -20,9 +22,13 @@ search every block it used is free again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from pagedref.engine.sampling import BeamSearchParams, SamplingParams
-from pagedref.engine.sequence import Logprob, Sequence, SequenceStatus
+from pagedref.engine.sampling_params import BeamSearchParams, SamplingParams
+from pagedref.engine.sequence import Logprob, Sequence
+
+if TYPE_CHECKING:
+    from pagedref.engine.sequence import RequestOutput
 
 
 @dataclass
@@ -47,82 +53,76 @@ def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_toke
     return cumulative_logprob / (max(seq_len, 1) ** length_penalty)
 
 
+def round_params(params: BeamSearchParams) -> SamplingParams:
+    """What every beam of a search samples with: greedy, and its 2 × beam_width most likely next tokens."""
+    return SamplingParams(temperature=0.0, max_tokens=None, logprobs=2 * params.beam_width, ignore_eos=True)
+
+
 @dataclass
-class _Instance:
-    prompt: str | None
-    prompt_len: int
-    beams: list[tuple[BeamSearchSequence, Sequence | None]]  # live beams, the engine sequence computing each
+class BeamState:
+    """One request's search: its live beams (engine sequences, best first), their reports this round,
+    the beams already complete, and, once done, the result."""
+
+    params: BeamSearchParams
+    live: list[Sequence]
+    reports: dict[int, dict[int, Logprob]] = field(default_factory=dict)  # seq_id -> its candidates this round
     completed: list[BeamSearchSequence] = field(default_factory=list)
+    round: int = 0
+    done: bool = False
+    results: list[BeamSearchSequence] = field(default_factory=list)  # best first, once done
 
 
-def beam_search(engine, prompts: list[tuple[str | None, list[int]]], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """prompts: (text, token ids) pairs, already checked by the engine."""
-    eos = engine.eos_token_ids
-    # One round = compute each beam's newest token and read its top 2 × beam_width logprobs.
-    round_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
-    key = lambda b: get_beam_search_score(b.tokens, b.cum_logprob, eos, params.length_penalty)  # noqa: E731
-    instances = []
-    for i, (text, ids) in enumerate(prompts):
-        seq = _beam_sequence(engine, f"beam-{i}", ids, round_params)
-        engine.scheduler.add(seq)
-        instances.append(_Instance(text, len(ids), [(BeamSearchSequence(list(ids)), seq)]))
-
-    for round_ in range(params.max_tokens):
-        last_round = round_ == params.max_tokens - 1
-        live = [seq for inst in instances for _, seq in inst.beams]
-        if not live:
-            break
-        while not all(seq.is_finished for seq in live):
-            engine.step()
-        for inst in instances:
-            candidates = []
-            for beam, seq in inst.beams:
-                top = seq.logprobs[-1]  # the 2 × beam_width most likely next tokens (and the argmax)
-                for token, lp in top.items():
-                    new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [top], beam.cum_logprob + lp.logprob)
-                    if token in eos and not params.ignore_eos:
-                        new.finish_reason, new.stop_reason = "stop", None
-                        inst.completed.append(new)
-                    elif len(new.tokens) >= engine.max_model_len:
-                        new.finish_reason = "length"
-                        inst.completed.append(new)
-                    else:
-                        candidates.append((new, seq))
-            survivors = sorted(candidates, key=lambda c: key(c[0]), reverse=True)[: params.beam_width]
-            parents = [seq for _, seq in inst.beams]
-            inst.beams = [(new, None if last_round else _fork_beam(engine, parent, new.tokens, round_params))
-                          for new, parent in survivors]
-            for parent in parents:  # forks hold their own references now: drop the parents'
-                engine.scheduler.release(parent)
-
-    outputs = []
-    for inst in instances:
-        for beam, _ in inst.beams:  # still live after max_tokens
-            beam.finish_reason = "length"
-        best = sorted(inst.completed + [b for b, _ in inst.beams], key=key, reverse=True)[: params.beam_width]
-        for beam in best:
-            beam.text = engine.tokenizer.decode(beam.tokens)
-        outputs.append(BeamSearchOutput(best))
-    return outputs
+def rank_round(state: BeamState, eos_token_ids, max_model_len: int | None) -> list[tuple[Sequence, int, dict[int, Logprob]]]:
+    """Rank the round every live beam has reported: the survivors (parent, token, its candidates) to fork,
+    best first; none, and state.done with the results, when the search ends here."""
+    params = state.params
+    key = lambda b: get_beam_search_score(b.tokens, b.cum_logprob, eos_token_ids, params.length_penalty)  # noqa: E731
+    candidates = []
+    for seq in state.live:
+        top = state.reports[seq.seq_id]
+        for token, lp in top.items():
+            new = BeamSearchSequence(seq.token_ids + [token], seq.logprobs + [top], seq.cumulative_logprob + lp.logprob)
+            if token in eos_token_ids and not params.ignore_eos:
+                new.finish_reason, new.stop_reason = "stop", None
+                state.completed.append(new)
+            elif max_model_len is not None and len(new.tokens) >= max_model_len:
+                new.finish_reason = "length"
+                state.completed.append(new)
+            else:
+                candidates.append((new, seq, token, top))
+    survivors = sorted(candidates, key=lambda c: key(c[0]), reverse=True)[: params.beam_width]
+    state.round += 1
+    if survivors and state.round < params.max_tokens:
+        return [(seq, token, top) for _, seq, token, top in survivors]
+    for new, *_ in survivors:  # still live after max_tokens
+        new.finish_reason = "length"
+    state.results = sorted(state.completed + [new for new, *_ in survivors], key=key, reverse=True)[: params.beam_width]
+    state.done = True
+    return []
 
 
-def _beam_sequence(engine, request_id: str, tokens: list[int], params: SamplingParams) -> Sequence:
-    # All of its tokens count as "prompt": the round's one sample is its only output.
-    seq = engine._new_sequence(request_id, tokens, params, index=0)
-    seq.keep_blocks = True
-    return seq
+def to_output(request: "RequestOutput", tokenizer) -> BeamSearchOutput:
+    """The BeamSearchOutput of a finished beam-search request's RequestOutput (one completion per beam)."""
+    sequences = []
+    for c in request.outputs:
+        tokens = request.prompt_token_ids + c.token_ids
+        sequences.append(BeamSearchSequence(tokens, c.logprobs, c.cumulative_logprob, tokenizer.decode(tokens),
+                                            c.finish_reason, c.stop_reason))
+    return BeamSearchOutput(sequences)
 
 
-def _fork_beam(engine, parent: Sequence, tokens: list[int], params: SamplingParams) -> Sequence:
-    """A running child sharing the parent's blocks (K/V of tokens[:-1]), or, if the scheduler took
-    the idle parent's blocks back, a waiting child that will be recomputed."""
-    child = _beam_sequence(engine, parent.request_id, tokens, params)
-    if engine.block_manager.has_blocks(parent):
-        engine.block_manager.fork(parent, child)
-        child.num_computed_tokens = parent.num_computed_tokens
-        assert child.num_computed_tokens == len(tokens) - 1
-        child.status = SequenceStatus.RUNNING
-        engine.scheduler.running.append(child)
-    else:
-        engine.scheduler.add(child)
-    return child
+def beam_search(engine, prompts: list[tuple[str | None, list[int]]], params: BeamSearchParams,
+                request_prefix: str = "beam") -> list[BeamSearchOutput]:
+    """Every prompt ((text, token ids) pairs, already checked by the engine) searched to the end through
+    the engine's public loop (`add_request`, `step`)."""
+    ids = [f"{request_prefix}-{i}" for i in range(len(prompts))]
+    for rid, (text, token_ids) in zip(ids, prompts):
+        engine.add_request(rid, {"prompt": text, "prompt_token_ids": token_ids}, params)
+    done: dict[str, RequestOutput] = {}
+    while len(done) < len(ids):
+        if not engine.has_unfinished_requests():
+            raise RuntimeError(f"beam search requests {sorted(set(ids) - done.keys())} were aborted before they finished")
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [to_output(done[rid], engine.tokenizer) for rid in ids]

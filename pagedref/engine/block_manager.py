@@ -3,8 +3,10 @@
 One idea: the scheduler thinks in sequences and tokens ("can this sequence get 7 more slots?"),
 the memory layer in blocks. `BlockManager` translates, and adds the one thing the memory layer does
 not have: the CPU swap pool that preemption by swapping copies blocks into. It never touches K/V
-tensors itself: every operation returns the block copies the model runner must make before the
-step's forward (swap out, copy-on-write, swap in; in that order).
+tensors itself: every operation returns what the model runner needs from it, computed once, where
+the memory layer computed it: the slot mapping of the tokens it gave slots to, and the block copies
+to make before the step's forward (swap out, copy-on-write, swap in; in that order). A prompt is
+looked up in the prefix cache once per admission (`lookup`, then `can_allocate` / `allocate` with it).
 
 `ContiguousBlockManager` is stage 1's baseline behind the same interface: each sequence reserves
 max_model_len slots (rounded up to whole blocks) at admission, first fit in one arena of the same
@@ -22,7 +24,7 @@ from pagedref.engine.sequence import Sequence
 from pagedref.memory.block_allocator import BlockAllocator
 from pagedref.memory.block_table import cdiv
 from pagedref.memory.contiguous import ContiguousKVCache
-from pagedref.memory.sharing import KVCacheManager
+from pagedref.memory.sharing import KVCacheManager, PrefixHit
 
 # vLLM's admission watermark: a new request is admitted only if 1% of the pool stays free afterwards.
 # On `bench serve`'s workload (500 requests, 4096 blocks) it cuts preemptions from 325 to 73 and the
@@ -41,37 +43,45 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.watermark_blocks = int(watermark * num_blocks)  # vLLM's: int(0.01 * num_gpu_blocks)
         self.cpu = BlockAllocator(num_cpu_blocks, block_size) if num_cpu_blocks > 0 else None
-        self.swapped: dict[int, list[int]] = {}  # seq_id -> its CPU blocks, in logical order
+        self.cpu_tables: dict[int, list[int]] = {}  # swapped seq_id -> its CPU blocks, in logical order
 
     # --- admission ------------------------------------------------------------------------------
-    def num_cached_tokens(self, seq: Sequence) -> int:
-        """Tokens of a sequence without blocks that the prefix cache already holds."""
-        return self.kv.num_cached_tokens(seq.token_ids)
+    def lookup(self, seq: Sequence) -> PrefixHit:
+        """The prefix cache's blocks for a sequence without blocks (hit.num_tokens of its tokens): valid for
+        `can_allocate` / `allocate` until the pool's next allocation."""
+        return self.kv.lookup(seq.token_ids)
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Could the sequence be admitted with its cached prefix plus num_new_tokens more tokens, leaving the
         watermark's blocks free for the running sequences to grow into? (Admitting into the last free
         blocks only preempts someone a few steps later, and recomputes its tokens.) An idle pool admits
         whatever fits: the watermark must never keep a request out for good."""
-        if not self.kv.can_allocate(seq.token_ids, num_new_tokens):
+        if not self.kv.can_allocate(seq.token_ids, num_new_tokens, hit):
             return False
         held = self.kv.allocator.num_used > 0
         return not held or self.kv.num_free_blocks - cdiv(num_new_tokens, self.block_size) >= self.watermark_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Admit: reuse the cached prefix, give slots to the next num_new_tokens. Returns the cached count."""
-        num_cached, _ = self.kv.allocate(seq.seq_id, seq.token_ids, num_new_tokens)
-        return num_cached
+    def allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> tuple[int, list[int]]:
+        """Admit: reuse the cached prefix, give slots to the next num_new_tokens.
+        Returns (cached tokens, slot mapping of the new tokens)."""
+        return self.kv.allocate(seq.seq_id, seq.token_ids, num_new_tokens, hit)
 
     # --- growth ---------------------------------------------------------------------------------
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.kv.can_append(seq.seq_id, num_new_tokens)
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
-        """Slots for the sequence's next num_new_tokens tokens. Returns copy-on-write (src, dst) pairs."""
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """Slots for the sequence's next num_new_tokens tokens (the last may be a placeholder, not known yet).
+        Returns (their slot mapping, copy-on-write (src, dst) pairs)."""
         start = self.kv.num_tokens(seq.seq_id)
-        _, copies = self.kv.append_slots(seq.seq_id, seq.token_ids[start:start + num_new_tokens])
-        return copies
+        tokens = seq.token_ids[start:start + num_new_tokens]
+        if len(tokens) < num_new_tokens:  # a token its step in flight is still sampling (async scheduling)
+            tokens = tokens + [None] * (num_new_tokens - len(tokens))
+        return self.kv.append_slots(seq.seq_id, tokens)
+
+    def set_token(self, seq: Sequence, pos: int) -> None:
+        """Its token at pos, which had a slot before it was known, is known now (for the prefix cache)."""
+        self.kv.set_token(seq.seq_id, pos, seq.token_ids[pos])
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares all the parent's blocks (n > 1 samples, beam search)."""
@@ -87,7 +97,7 @@ class BlockManager:
         """Give back everything the sequence holds, on the device or in the swap pool."""
         if seq.seq_id in self.kv.seqs:
             self.kv.free(seq.seq_id)
-        for block in self.swapped.pop(seq.seq_id, []):
+        for block in self.cpu_tables.pop(seq.seq_id, []):
             self.cpu.free(block)
 
     # --- swapping (preemption_mode="swap") -------------------------------------------------------
@@ -99,21 +109,25 @@ class BlockManager:
         device_blocks = self.kv.block_ids(seq.seq_id)
         cpu_blocks = [self.cpu.allocate() for _ in device_blocks]
         self.kv.free(seq.seq_id)  # freed now, copied out first thing in this step: nobody writes before
-        self.swapped[seq.seq_id] = cpu_blocks
+        self.cpu_tables[seq.seq_id] = cpu_blocks
         return list(zip(device_blocks, cpu_blocks))
 
     def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Room for the swapped tokens back on the device plus num_new_tokens more?"""
+        """Room for the swapped tokens back on the device (less the blocks the prefix cache still holds),
+        plus num_new_tokens more?"""
         c = seq.num_computed_tokens
-        cached = self.kv.num_cached_tokens(seq.token_ids[:c])
-        return self.kv.can_allocate(seq.token_ids[:c], c - cached + num_new_tokens)
+        hit = self.kv.lookup(seq.token_ids[:c])
+        need = cdiv(c + num_new_tokens, self.block_size) - len(hit.blocks)
+        free_hits = sum(1 for b in hit.blocks if self.kv.allocator.is_free(b))  # taking these uses free blocks too
+        return need + free_hits <= self.kv.num_free_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Bring a swapped sequence back. Returns (CPU block, device block) copies. Full blocks the
         prefix cache still holds are reused instead of copied."""
         c = seq.num_computed_tokens
-        num_cached, _ = self.kv.allocate(seq.seq_id, seq.token_ids[:c], c - self.kv.num_cached_tokens(seq.token_ids[:c]))
-        cpu_blocks = self.swapped.pop(seq.seq_id)
+        hit = self.kv.lookup(seq.token_ids[:c])
+        num_cached, _ = self.kv.allocate(seq.seq_id, seq.token_ids[:c], c - hit.num_tokens, hit)
+        cpu_blocks = self.cpu_tables.pop(seq.seq_id)
         device_blocks = self.kv.block_ids(seq.seq_id)
         copies = [(cpu_blocks[i], device_blocks[i]) for i in range(num_cached // self.block_size, len(device_blocks))]
         # The CPU blocks can be reused at once: swap-ins are scheduled after every swap-out of the
@@ -149,18 +163,18 @@ class BlockManager:
 
     def stats(self) -> dict[str, float]:
         s = self.kv.stats()
-        s["num_swapped_blocks"] = sum(len(b) for b in self.swapped.values())
+        s["num_swapped_blocks"] = sum(len(b) for b in self.cpu_tables.values())
         return s
 
     def all_free(self) -> bool:
         """Nothing held: every device block is free (cached ones included) and the swap pool is empty."""
-        return self.kv.num_free_blocks == self.num_blocks and not self.kv.seqs and not self.swapped and (
+        return self.kv.num_free_blocks == self.num_blocks and not self.kv.seqs and not self.cpu_tables and (
             self.cpu is None or self.cpu.num_used == 0)
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
         if self.cpu is not None:
-            held = sorted(b for blocks in self.swapped.values() for b in blocks)
+            held = sorted(b for blocks in self.cpu_tables.values() for b in blocks)
             assert len(held) == len(set(held)) == self.cpu.num_used, "swap pool: held blocks != used blocks"
 
 
@@ -176,24 +190,25 @@ class ContiguousBlockManager:
         self.arena = ContiguousKVCache(num_blocks * block_size, self.blocks_per_seq * block_size)
         self.cpu = None
 
-    def num_cached_tokens(self, seq: Sequence) -> int:
-        return 0  # no prefix caching: the reservation is private
+    def lookup(self, seq: Sequence) -> PrefixHit:
+        return PrefixHit([], [], self.block_size)  # no prefix caching: the reservation is private
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         return self.arena.find_hole(self.arena.max_model_len) is not None
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> int:
+    def allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> tuple[int, list[int]]:
         self.arena.admit(seq.seq_id)
-        self.arena.append(seq.seq_id, num_tokens=num_new_tokens)
-        return 0
+        return 0, list(self.arena.append(seq.seq_id, num_tokens=num_new_tokens))  # the reservation's own slots
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         r = self.arena.reservations[seq.seq_id]
         return r.num_tokens + num_new_tokens <= r.capacity  # always, below max_model_len: never preempts
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
-        self.arena.append(seq.seq_id, num_tokens=num_new_tokens)
-        return []
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
+        return list(self.arena.append(seq.seq_id, num_tokens=num_new_tokens)), []
+
+    def set_token(self, seq: Sequence, pos: int) -> None:
+        pass  # nothing is cached by content here
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         raise ValueError("kv_cache='contiguous' (the stage 1 baseline) cannot share blocks: use kv_cache='paged'")

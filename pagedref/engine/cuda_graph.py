@@ -28,8 +28,8 @@ Invariant: rows 0..n-1 of a replay are what the eager forward computes for the s
 to the linear layers' rounding (they multiply a padded batch, and cuBLAS may pick another algorithm
 for it: the eager GPU path's batching caveat, docs/numerics.md); attention of a sequence depends on
 neither the other rows nor the grid, and padded rows write only into the scratch blocks. The step's
-block ids, context lengths and slots are checked on the host before every replay, as the eager
-path checks them before its first launch. A piecewise step's rows 0..T-1 are likewise the eager
+block ids, context lengths and slots are checked on the host before every step, replayed or eager
+(`ModelRunner.run_model`, on the metadata's host copy: no sync between the steps' launches). A piecewise step's rows 0..T-1 are likewise the eager
 ones up to the linear layers' rounding; its attention is the eager call itself, checks included.
 """
 
@@ -138,8 +138,8 @@ class DecodeGraphs:
         return meta.is_decode_only and meta.num_seqs <= self.sizes[-1] and meta.max_context_len <= self.max_context_len
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The step's final hidden states [n, hidden], valid until the next replay."""
-        self.backend.check_step(meta, self.kv_caches[0])
+        """The step's final hidden states [n, hidden], valid until the next replay. The caller checks the
+        step's values first (`ModelRunner.run_model`: on the host copy of the metadata, no sync)."""
         n, w = meta.num_seqs, meta.block_tables.shape[1]
         bs = padded_batch_size(n, self.sizes)
         self.input_ids[:n].copy_(input_ids)

@@ -1,11 +1,25 @@
 """`LLM` and `LLMEngine`: the serving API a vLLM user already knows, on the paged KV cache.
 
-One idea: the engine is a loop of steps. `step()` = the scheduler picks this step's work (stages
-6–7) → the model runner builds the step's attention metadata once and runs one forward pass →
-the sampler picks one token per sequence that samples → each sequence grows, or finishes and frees
-its blocks at once → outputs. `LLM.generate` adds every prompt and steps until all are done;
-`LLMEngine` exposes the same loop piecewise (`add_request`, `step`, `abort_request`) for servers and
-benchmarks that feed requests over time.
+One idea: the engine is a loop of steps, and a step is three calls and nothing else (the step
+contract, `pagedref.engine.scheduler`): `Scheduler.schedule()` picks this step's work (stages 6–7)
+and returns a `SchedulerOutput`; `ModelRunner.execute(output)` runs one forward pass and samples;
+`Scheduler.update(output, sampled)` appends the tokens, forks, checks the stop rules and frees. The
+engine turns the requests that advanced into `RequestOutput`s. `LLM.generate` adds every prompt and
+steps until all are done; `LLMEngine` exposes the same loop piecewise (`add_request`, `step`,
+`abort_request`) for servers and benchmarks that feed requests over time.
+
+Async scheduling (vLLM v1's, `async_scheduling=True`, the default with CUDA and one GPU): the host
+schedules and prepares step N+1 while the GPU runs step N. A `step()` call schedules and launches
+N+1 (its decodes read the tokens step N samples on the device, as placeholders: the scheduler
+counts them before they exist), and only then waits for N's tokens and updates with them; so a call
+returns the outputs of the step launched by the call before it, and the last call drains. What the
+host cannot know about step N when it schedules N+1 is handled by construction: a sequence whose
+N-token forks it (the first samples of n > 1) or is a beam's candidate is not scheduled in N+1; one
+known to end on that token (max_tokens, max_model_len) neither; one that turns out to stop on it
+(eos, stop token, stop string) is finished by update N, its work in N+1 dropped and its blocks
+freed at once (the GPU finishes N+1 before any later step can reuse them). Each sequence's tokens
+depend only on its own tokens, so the outputs are the synchronous loop's, bit for bit on the CPU
+(which runs the same code path; tests compare the two).
 
 n > 1: the prompt is prefilled once; when it samples its first tokens the sequence is forked into n
 sequences sharing every block (the shared, partly filled last block is copied on the first write).
@@ -32,13 +46,18 @@ from typing import Any, Iterable
 
 import torch
 
+from pagedref.engine.beam_search import BeamSearchOutput, BeamState, beam_search, round_params
 from pagedref.engine.block_manager import BlockManager, ContiguousBlockManager
+from pagedref.engine.config import MAX_DECODE_GRAPH_BATCH, EngineArgs, EngineConfig, MiB, resolve_device  # noqa: F401
 from pagedref.engine.cuda_graph import CUDAGraphConfig
-from pagedref.engine.model_runner import (GiB, MiB, ModelRunner, kv_block_bytes, num_blocks_from_budget,
-                                          profile_num_gpu_blocks)
-from pagedref.engine.sampling import BeamSearchParams, SampleResult, SamplingParams, make_generator
-from pagedref.engine.scheduler import Scheduler, SchedulerConfig
-from pagedref.engine.sequence import (CompletionOutput, RequestOutput, Sequence, SequenceGroup, SequenceStatus)
+from pagedref.engine.model_runner import (GiB, DriverRunner, ModelRunner, ModelRunnerOutput, kv_block_bytes,
+                                          num_blocks_from_budget, profile_num_gpu_blocks)
+from pagedref.engine.sampling import make_generator
+from pagedref.engine.sampling_params import BeamSearchParams, SamplingParams
+from pagedref.engine.scheduler import Scheduler, SchedulerOutput
+from pagedref.engine.sequence import (CompletionOutput, RequestOutput, Sequence, SequenceGroup, SequenceStatus,
+                                      next_seq_id)
+from pagedref.engine.stop_checker import StopChecker, decode_output, detokenize  # noqa: F401 (detokenize: its old home)
 from pagedref.memory.block_table import cdiv
 
 PromptType = str | dict[str, Any]
@@ -49,6 +68,7 @@ class LLMEngine:
 
     def __init__(self, model, tokenizer, runner: ModelRunner, scheduler: Scheduler, max_model_len: int,
                  seed: int = 0, record_logits: bool = False, max_logprobs: int = 20) -> None:
+        """Async scheduling follows the scheduler's config (`SchedulerConfig.async_scheduling`)."""
         self.model = model
         self.tokenizer = tokenizer
         self.runner = runner
@@ -57,12 +77,70 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
+        # the engine's stop rules, which the scheduler's update applies
+        scheduler.stop_checker = StopChecker(max_model_len, self.eos_token_ids, tokenizer)
         self.record_logits = record_logits
         self.max_logprobs = max_logprobs
+        self.dtype = runner.kv_caches[0][0].dtype if runner.kv_caches else None
         self.requests: dict[str, SequenceGroup] = {}
-        self._seq_ids = itertools.count()
         self._rng = random.Random(seed)  # seeds of unseeded sequences: runs are reproducible too
+        self._in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None  # async: launched, not updated
+        self._failure: BaseException | None = None  # a step that raised leaves the scheduler's state behind
         self.reset_stats()
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self.scheduler.config.async_scheduling
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        """Build the engine an `LLM(...)` call describes: check every argument, load the tokenizer and the
+        weights (tensor parallel: start the workers, each loads its shard), size the KV pool, build the
+        block manager, the scheduler and the model runner (CUDA graphs captured)."""
+        from pagedref.backends import get_backend
+        from pagedref.distributed import TPGroup
+        from pagedref.models import load_model, load_tokenizer
+
+        config = args.create_engine_config()
+        cache, sched_config, tp_size = config.cache, config.scheduler, config.parallel.tensor_parallel_size
+        device, dtype = config.device, config.dtype
+        tokenizer = load_tokenizer(config.model)
+        workers = None
+        if tp_size > 1:  # ranks 1..N-1: started here (or by torchrun), each loads its own shard
+            from pagedref.distributed.worker import WorkerSpec, start_workers
+
+            workers = start_workers(WorkerSpec(str(config.model), device, dtype, device == "cpu", runner_cls=ModelRunner),
+                                    tp_size)
+        try:  # from here on, a failure must stop the workers it started
+            weights = load_model(config.model, device=device, dtype=dtype, batch_invariant=(device == "cpu"),
+                                 tp=workers.tp if workers else TPGroup())
+            backend = get_backend("reference" if device == "cpu" else "cuda")
+            num_kv_blocks, num_cpu_blocks = _num_blocks(config, weights, backend, workers)
+            if cache.kv_cache == "paged":
+                block_manager = (config.block_manager_cls or BlockManager)(
+                    num_kv_blocks, cache.block_size, config.max_model_len, cache.enable_prefix_caching, num_cpu_blocks)
+            else:
+                block_manager = ContiguousBlockManager(num_kv_blocks, cache.block_size, config.max_model_len)
+            scheduler = (config.scheduler_cls or Scheduler)(sched_config, block_manager)
+            runner_args = (weights, backend, num_kv_blocks, cache.block_size, device, dtype, num_cpu_blocks)
+            if workers:  # tensor parallel: eager (every rank would have to capture and replay in step)
+                workers.run("init_kv_cache", num_kv_blocks, cache.block_size, num_cpu_blocks)
+                runner = DriverRunner(*runner_args, workers=workers)
+            else:
+                comp = config.compilation
+                graphs = CUDAGraphConfig(min(sched_config.max_num_seqs, MAX_DECODE_GRAPH_BATCH), config.max_model_len,
+                                         comp.max_seq_len_to_capture,
+                                         min(comp.max_capture_size, sched_config.max_num_batched_tokens)
+                                         ) if config.uses_cuda_graphs else None
+                runner = ModelRunner(*runner_args, graphs=graphs)
+            engine = cls(weights, tokenizer, runner, scheduler, config.max_model_len, config.seed, config.record_logits,
+                         config.max_logprobs)
+        except BaseException:
+            if workers is not None:
+                workers.close()
+            raise
+        engine.config, engine.num_kv_blocks = config, num_kv_blocks
+        return engine
 
     # --- requests -------------------------------------------------------------------------------
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -91,7 +169,14 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary of {self.vocab_size} tokens")
         return text, ids
 
-    def check_params(self, params: SamplingParams) -> None:
+    def check_params(self, params: SamplingParams | BeamSearchParams) -> None:
+        if isinstance(params, BeamSearchParams):
+            if isinstance(self.block_manager, ContiguousBlockManager):
+                raise ValueError("beam search needs shared blocks: kv_cache='contiguous' (the stage 1 baseline) has none")
+            if 2 * params.beam_width > self.max_logprobs:
+                raise ValueError(f"beam_width={params.beam_width} ranks 2 x beam_width logprobs, more than "
+                                 f"max_logprobs={self.max_logprobs}")
+            return
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
@@ -100,21 +185,27 @@ class LLMEngine:
         if params.n > 1 and isinstance(self.block_manager, ContiguousBlockManager):
             raise ValueError(f"n={params.n} needs shared blocks: kv_cache='contiguous' (the stage 1 baseline) has none")
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
-        """Queue a request; it joins the running batch as soon as there is room for it."""
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams | None = None) -> None:
+        """Queue a request; it joins the running batch as soon as there is room for it. With
+        BeamSearchParams it is a beam search (`LLM.beam_search`): its output's completions are the best beams."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.process_prompt(prompt)
         self.check_params(params)
         group = SequenceGroup(request_id, text, ids, params)
-        group.seqs.append(self._new_sequence(request_id, ids, params, index=0))
+        if isinstance(params, BeamSearchParams):
+            group.seqs = [self._new_sequence(group, round_params(params), 0)]
+            group.beam = BeamState(params, list(group.seqs))
+        else:  # all n now (their seeds drawn in index order); the n - 1 others fork off the first after its prefill
+            group.seqs = [self._new_sequence(group, params, i) for i in range(params.n)]
         self.requests[request_id] = group
         self.num_prompt_tokens += len(ids)
         self.scheduler.add(group.seqs[0])
 
-    def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams, index: int) -> Sequence:
-        seq = Sequence(next(self._seq_ids), request_id, list(token_ids), len(token_ids), params, index)
+    def _new_sequence(self, group: SequenceGroup, params: SamplingParams, index: int) -> Sequence:
+        ids = group.prompt_token_ids
+        seq = Sequence(next_seq_id(), group.request_id, list(ids), len(ids), params, index, group=group)
         if not params.is_greedy:  # the sequence's own random stream: seed + index, else one from the engine
             seed = params.seed + index if params.seed is not None else self._rng.getrandbits(63)
             seq.generator = make_generator(seed, self.runner.device)
@@ -134,149 +225,111 @@ class LLMEngine:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return sum(1 for g in self.requests.values() if not g.is_finished)
 
     def get_num_requests_by_state(self) -> dict[str, int]:
-        """Unfinished requests by where they are (a server's /metrics gauges, vLLM's): "running" (a sequence
-        holds blocks in the device pool), "swapped" (in the CPU swap pool), "waiting" (queued, or preempted
-        by recompute). Read-only."""
-        counts = {"running": 0, "swapped": 0, "waiting": 0}
-        for group in self.requests.values():
-            states = {s.status for s in group.seqs}
-            if SequenceStatus.RUNNING in states:
-                counts["running"] += 1
-            elif SequenceStatus.SWAPPED in states:
-                counts["swapped"] += 1
-            elif SequenceStatus.WAITING in states:
-                counts["waiting"] += 1
-        return counts
+        """Unfinished requests by where they are: {"running": holding KV blocks, "waiting": new or preempted
+        by recompute, "swapped": preempted by swap} (the server's /metrics)."""
+        return self.scheduler.num_requests()
+
+    @property
+    def num_running_seqs(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting_seqs(self) -> int:
+        return len(self.scheduler.waiting)
 
     # --- the step -------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """One iteration: schedule, run the model, sample, update. Returns the requests that advanced
-        (finished ones for the last time: they are forgotten after); with final_only, only those that
-        finished (vLLM's RequestOutputKind.FINAL_ONLY, what `LLM.generate` asks for: an output per
-        running request per step is a streaming server's need, and costs microseconds per request)."""
+        """One iteration: schedule, execute (forward and sample), update. Returns the requests that
+        advanced (finished ones for the last time: they are forgotten after); with final_only, only those
+        that finished (vLLM's RequestOutputKind.FINAL_ONLY, what `LLM.generate` asks for: an output per
+        running request per step is a streaming server's need, and costs microseconds per request).
+        With async scheduling, the outputs are those of the step launched by the previous call."""
+        if self._failure is not None:
+            self.runner.check_healthy()  # tensor parallel: names the worker that failed
+            raise RuntimeError(f"an earlier step failed ({self._failure!r}): the engine's state is lost, make a new one")
+        try:
+            return self._step_async(final_only) if self.async_scheduling else self._step(final_only)
+        except BaseException as e:
+            self._failure = e
+            raise
+
+    def _step(self, final_only: bool) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("the scheduler could not schedule any work (a bug: the pool should fit "
-                                   "one sequence of max_model_len)")
+            self._check_progress()
             return []
         self._record_step(sched)
-        logits, step = self.runner.execute(sched)
-        for seq, n in sched.scheduled:
-            group = self.requests.get(seq.request_id)
-            if group and group.metrics.first_scheduled_time is None:
-                group.metrics.first_scheduled_time = time.monotonic()
-                group.num_cached_tokens = seq.num_computed_tokens  # the prefix cache's share of the prompt
-            seq.num_computed_tokens += n
-        rows, seqs = [], []
-        for row, seq in enumerate(step.sample_seqs):
-            rows.append(row)
-            seqs.append(seq)
-            group = self.requests.get(seq.request_id)
-            if group and group.params.n > 1 and not group.forked:  # n samples share the prompt's blocks
-                for child in self._fork_samples(group, seq):
-                    rows.append(row)
-                    seqs.append(child)
-        results = self.runner.sample(logits, rows, seqs)
-        touched: dict[str, SequenceGroup] = {}  # requests to report: all that advanced, or (final_only) finished
-        for row, seq, result in zip(rows, seqs, results):
-            finished = self._append_token(seq, result, logits, row)
-            group = self.requests.get(seq.request_id)
-            if group is None:
-                continue
-            if group.metrics.first_token_time is None:
-                group.metrics.first_token_time = time.monotonic()
-            if finished or not final_only:
-                touched[group.request_id] = group
+        sampled = self.runner.execute(sched)
+        return self._outputs(self.scheduler.update(sched, sampled), final_only)
+
+    def _step_async(self, final_only: bool) -> list[RequestOutput]:
+        """Schedule and launch step N+1, then wait for step N's tokens and update with them."""
+        sched = self.scheduler.schedule()  # N's sampled tokens are placeholders here
+        launched = None
+        if not sched.is_empty:
+            self._record_step(sched)
+            launched = self.runner.execute(sched, prev=self._in_flight[1] if self._in_flight else None)
+        elif self._in_flight is None:
+            self._check_progress()
+            return []
         outputs = []
-        for rid, group in touched.items():
-            if group.is_finished:
-                group.metrics.finished_time = time.monotonic()
-                del self.requests[rid]
+        if self._in_flight is not None:
+            prev_sched, prev_sampled = self._in_flight
+            outputs = self._outputs(self.scheduler.update(prev_sched, prev_sampled), final_only)  # waits for N's tokens
+        self._in_flight = (sched, launched) if launched is not None else None
+        return outputs
+
+    def _check_progress(self) -> None:
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler could not schedule any work (a bug: the pool should fit "
+                               "one sequence of max_model_len)")
+
+    def _outputs(self, groups: list[SequenceGroup], final_only: bool) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for group in groups:
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            finished = group.is_finished
+            if finished:
+                group.metrics.finished_time = now
+                self.requests.pop(group.request_id, None)
             elif final_only:
                 continue
             outputs.append(self._request_output(group))
         return outputs
 
-    def _fork_samples(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
-        """After the prompt's prefill: n - 1 more sequences, each sharing every block of the first."""
-        children = []
-        for index in range(1, group.params.n):
-            child = self._new_sequence(group.request_id, parent.token_ids, group.params, index)
-            self.block_manager.fork(parent, child)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.status = SequenceStatus.RUNNING
-            self.scheduler.running.append(child)
-            if self.record_logits:
-                child.logits = list(parent.logits)
-            children.append(child)
-        group.seqs.extend(children)
-        group.forked = True
-        return children
-
-    def _append_token(self, seq: Sequence, result: SampleResult, logits: torch.Tensor, row: int) -> bool:
-        """The sampled token joins the sequence; True if that finished it."""
-        seq.token_ids.append(result.token_id)
-        self.num_generated_tokens += 1
-        if seq.logprobs is not None:
-            for token_id, lp in result.top_logprobs.items():
-                lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            seq.logprobs.append(result.top_logprobs)
-            seq.cumulative_logprob += result.logprob
-        if seq.logits is not None:
-            seq.logits.append(logits[row].detach().cpu().clone())  # (indexed only here: a torch op per row)
-        status = self._check_stop(seq)
-        if status is not None:
-            self.scheduler.finish(seq, status)
-        return status is not None
-
-    def _check_stop(self, seq: Sequence) -> SequenceStatus | None:
-        """vLLM's rules: length (max_tokens, max_model_len), eos unless ignore_eos, stop token ids; then a
-        stop string in the text stops it too (even on its last allowed token) and cuts the text."""
-        p, token = seq.params, seq.token_ids[-1]
-        status = None
-        if seq.num_tokens >= self.max_model_len or (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens):
-            status = SequenceStatus.FINISHED_LENGTH_CAPPED
-        elif not p.ignore_eos and token in self.eos_token_ids:
-            return SequenceStatus.FINISHED_STOPPED
-        elif token in p.stop_token_ids:
-            seq.stop_reason = token
-            return SequenceStatus.FINISHED_STOPPED
-        if p.stop:
-            text = detokenize(self.tokenizer, seq, seq.num_tokens)
-            hits = [(text.find(s), s) for s in p.stop if s in text]
-            if hits:
-                at, stop = min(hits)
-                seq.stop_reason = stop
-                seq.text = text[:at + len(stop)] if p.include_stop_str_in_output else text[:at]
-                return SequenceStatus.FINISHED_STOPPED
-        return status
-
     def _request_output(self, group: SequenceGroup) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=s.index, token_ids=s.output_token_ids, cumulative_logprob=s.cumulative_logprob,
-                logprobs=s.logprobs, finish_reason=s.status.finish_reason, stop_reason=s.stop_reason,
-                logits=torch.stack(s.logits) if s.logits else None, _text=s.text,
-                _decode=functools.partial(decode_output, self.tokenizer, s, len(s.token_ids), s.status),
-            )
-            for s in group.seqs
-        ]
+        if group.beam is not None:
+            outputs = [] if not group.beam.done else [
+                CompletionOutput(index=i, token_ids=b.tokens[len(group.prompt_token_ids):], cumulative_logprob=b.cum_logprob,
+                                 logprobs=b.logprobs, finish_reason=b.finish_reason, stop_reason=b.stop_reason)
+                for i, b in enumerate(group.beam.results)]
+        else:
+            outputs = [
+                CompletionOutput(
+                    index=s.index, token_ids=s.output_token_ids, cumulative_logprob=s.cumulative_logprob,
+                    logprobs=s.logprobs, finish_reason=s.status.finish_reason, stop_reason=s.stop_reason,
+                    logits=torch.stack(s.logits) if s.logits else None, _text=s.text,
+                    _decode=functools.partial(decode_output, self.tokenizer, s, len(s.token_ids), s.status),
+                )
+                for s in group.seqs
+            ]
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, group.is_finished,
-                             group.metrics, group.num_cached_tokens)
+                             group.metrics, group.num_cached_tokens or 0)
 
     # --- statistics -----------------------------------------------------------------------------
     def reset_stats(self) -> None:
         self.num_steps = 0
         self.num_prompt_tokens = 0
-        self.num_generated_tokens = 0
         self.num_batched_tokens = 0
+        self._generated_base = self.scheduler.num_generated_tokens
         self._preemptions_base = self.scheduler.num_preemptions
         self._swap_outs_base = self.scheduler.num_swap_outs
         self._replays_base = self._graph_replays()  # the runner's count runs on across generate calls
@@ -288,11 +341,20 @@ class LLMEngine:
         self.peak_num_used_blocks = 0
         self.peak_blocks_saved_by_sharing = 0
 
-    def _record_step(self, sched) -> None:
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.scheduler.num_generated_tokens - self._generated_base
+
+    def _record_step(self, sched: SchedulerOutput) -> None:
         self.num_steps += 1
         self.num_batched_tokens += sched.num_batched_tokens
         self.peak_num_running_seqs = max(self.peak_num_running_seqs, len(self.scheduler.running))
         self.peak_num_batched_seqs = max(self.peak_num_batched_seqs, len(sched.scheduled))
+        now = None
+        for s in sched.scheduled:
+            group = s.seq.group
+            if group is not None and group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now = now or time.monotonic()
         tsf, used, saved = self.block_manager.live_usage()
         self.peak_num_used_blocks = max(self.peak_num_used_blocks, used)
         self.peak_blocks_saved_by_sharing = max(self.peak_blocks_saved_by_sharing, saved)
@@ -328,29 +390,43 @@ class LLMEngine:
             num_piecewise_graph_replays=piecewise_replays - self._replays_base[1],  # other steps, in pieces
             block_size=self.block_manager.block_size,
             device=self.runner.device.type,  # where the engine runs ("auto" resolved)
-            dtype=str(self.runner.dtype).removeprefix("torch."),
+            dtype=str(self.dtype).removeprefix("torch."),
+            async_scheduling=self.async_scheduling,
         )
         return stats
 
 
-def detokenize(tokenizer, seq: Sequence, num_tokens: int) -> str:
-    """The text the sequence's output tokens (up to num_tokens tokens in all) add to its prompt's text.
-    Decoded after the prompt, as vLLM does, so a leading space ("▁he") is kept: " he"."""
-    skip = seq.params.skip_special_tokens
-    if seq.prompt_text is None:  # the prompt never changes: decode it once, not at every step's stop check
-        seq.prompt_text = tokenizer.decode(seq.token_ids[:seq.num_prompt_tokens], skip_special_tokens=skip)
-    prompt = seq.prompt_text
-    full = tokenizer.decode(seq.token_ids[:num_tokens], skip_special_tokens=skip)
-    if full.startswith(prompt):
-        return full[len(prompt):]
-    return tokenizer.decode(seq.token_ids[seq.num_prompt_tokens:num_tokens], skip_special_tokens=skip)
-
-
-def decode_output(tokenizer, seq: Sequence, num_tokens: int, status: SequenceStatus) -> str:
-    """The text of the output as it stood (num_tokens, status) when it was reported."""
-    if status is SequenceStatus.FINISHED_STOPPED and not seq.params.include_stop_str_in_output:
-        num_tokens -= 1  # as vLLM: the eos / stop token is in token_ids, not in the text
-    return detokenize(tokenizer, seq, num_tokens)
+def _num_blocks(config: EngineConfig, weights, backend, workers) -> tuple[int, int]:
+    """(device KV blocks, CPU swap blocks): exactly num_kv_blocks, or sized from the memory budget."""
+    cache, sched = config.cache, config.scheduler
+    tp_size = config.parallel.tensor_parallel_size
+    block_bytes = kv_block_bytes(config.hf_config, cache.block_size, config.dtype, tp_size)  # one rank's share
+    blocks_per_seq = cdiv(config.max_model_len, cache.block_size)
+    num_kv_blocks = cache.num_kv_blocks
+    if num_kv_blocks is None:
+        if config.device == "cpu":
+            where = f"cpu_kv_cache_bytes={cache.cpu_kv_cache_bytes}"
+            num_kv_blocks = min(num_blocks_from_budget(cache.cpu_kv_cache_bytes, block_bytes), sched.max_num_seqs * blocks_per_seq)
+        else:
+            where = f"gpu_memory_utilization={cache.gpu_memory_utilization}"
+            args = (cache.block_size, sched.max_num_batched_tokens, sched.max_num_seqs, config.max_model_len,
+                    cache.gpu_memory_utilization, config.device, config.dtype)
+            if workers:  # TP: every GPU profiles its own, the minimum wins
+                num_kv_blocks = workers.profile_num_blocks(profile_num_gpu_blocks, weights, backend, *args)
+            else:
+                num_kv_blocks = profile_num_gpu_blocks(weights, backend, *args)
+    else:
+        where = f"num_kv_blocks={num_kv_blocks}"
+    if num_kv_blocks < blocks_per_seq:
+        raise ValueError(f"the KV pool ({where}: {num_kv_blocks} blocks of {cache.block_size} tokens) cannot hold one "
+                         f"sequence of max_model_len={config.max_model_len} ({blocks_per_seq} blocks): give it more memory "
+                         "or lower max_model_len")
+    num_cpu_blocks = 0
+    if sched.preemption_mode == "swap" and cache.kv_cache == "paged":
+        # At most the device pool: nothing new is admitted while a sequence is swapped out, so swapped
+        # sequences stay few; when the CPU pool is full the scheduler preempts by recompute instead.
+        num_cpu_blocks = min(num_blocks_from_budget(cache.swap_space * GiB, block_bytes), num_kv_blocks)
+    return num_kv_blocks, num_cpu_blocks
 
 
 class LLM:
@@ -366,6 +442,9 @@ class LLM:
     GiB of CPU memory). The KV pool is exactly `num_kv_blocks` blocks when given; otherwise sized
     from gpu_memory_utilization (CUDA, by profiling) or `cpu_kv_cache_bytes` (CPU). The contiguous
     baseline has no prefix caching, no n > 1 and no beam search: it cannot share blocks.
+
+    `async_scheduling` (None: on with CUDA and one GPU, as vLLM's `--async-scheduling`) schedules each
+    step while the GPU still runs the one before (`LLMEngine`); outputs are the same bits either way.
 
     `tensor_parallel_size=N` splits the model and its KV cache over N processes (one GPU each on CUDA,
     gloo processes on the CPU); this process is rank 0 and starts the others (`pagedref.distributed`),
@@ -412,106 +491,15 @@ class LLM:
         max_capture_size: int = 2048,
         prefill_first: bool = False,
         max_logprobs: int = 20,
+        async_scheduling: bool | None = None,
     ) -> None:
-        from pagedref.backends import get_backend
-        from pagedref.distributed import TPGroup, check_tensor_parallel_size
-        from pagedref.models import ModelConfig, load_model, load_tokenizer, resolve_dtype
-
-        device = resolve_device(device)
-        _check_positive("block_size", block_size)
-        max_num_seqs = 256 if max_num_seqs is None else max_num_seqs
-        _check_positive("max_num_seqs", max_num_seqs)
-        if prefill_first and enable_chunked_prefill:
-            raise ValueError("prefill_first=True is vLLM v0's policy without chunked prefill: "
-                             "pass enable_chunked_prefill=False with it")
-        if kv_cache not in ("paged", "contiguous"):
-            raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {kv_cache!r}")
-        if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        if num_kv_blocks is not None:
-            _check_positive("num_kv_blocks", num_kv_blocks)
-        if swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 (GiB), got {swap_space}")
-        _check_positive("max_seq_len_to_capture", max_seq_len_to_capture)
-        _check_positive("max_capture_size", max_capture_size)
-        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an int >= 0, got {max_logprobs!r}")
-
-        config = ModelConfig.from_pretrained(model)  # config.json, architecture: before anything heavy
-        torch_dtype = resolve_dtype(("float32" if device == "cpu" else config.dtype) if dtype == "auto" else dtype)
-        check_tensor_parallel_size(config, tensor_parallel_size)
-        tp_size = tensor_parallel_size
-        max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len
-        _check_positive("max_model_len", max_model_len)
-        if max_model_len > config.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} is more than the model's max_position_embeddings="
-                             f"{config.max_position_embeddings}")
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if device == "cpu" else 8192
-            if not enable_chunked_prefill:
-                max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
-        _check_positive("max_num_batched_tokens", max_num_batched_tokens)
-        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} < max_model_len={max_model_len}: "
-                             "without chunked prefill a whole prompt must fit in one step")
-        tokenizer = load_tokenizer(model)
-        workers = None
-        if tp_size > 1:  # ranks 1..N-1: started here (or by torchrun), each loads its own shard
-            from pagedref.distributed.worker import WorkerSpec, start_workers
-
-            workers = start_workers(WorkerSpec(str(model), device, torch_dtype, device == "cpu"), tp_size)
-        try:  # from here on, a failure must stop the workers it started
-            weights = load_model(model, device=device, dtype=torch_dtype, batch_invariant=(device == "cpu"),
-                                 tp=workers.tp if workers else TPGroup())
-            backend = get_backend("reference" if device == "cpu" else "cuda")
-
-            block_bytes = kv_block_bytes(config, block_size, torch_dtype, tp_size)  # one rank's share
-            blocks_per_seq = cdiv(max_model_len, block_size)
-            if num_kv_blocks is None:
-                if device == "cpu":
-                    where = f"cpu_kv_cache_bytes={cpu_kv_cache_bytes}"
-                    num_kv_blocks = min(num_blocks_from_budget(cpu_kv_cache_bytes, block_bytes), max_num_seqs * blocks_per_seq)
-                else:
-                    where = f"gpu_memory_utilization={gpu_memory_utilization}"
-                    profile = workers.profile_num_blocks if workers else profile_num_gpu_blocks  # TP: every GPU, the min
-                    num_kv_blocks = profile(weights, backend, block_size, max_num_batched_tokens, max_num_seqs,
-                                            max_model_len, gpu_memory_utilization, device, torch_dtype)
-            else:
-                where = f"num_kv_blocks={num_kv_blocks}"
-            if num_kv_blocks < blocks_per_seq:
-                raise ValueError(f"the KV pool ({where}: {num_kv_blocks} blocks of {block_size} tokens) cannot hold one "
-                                 f"sequence of max_model_len={max_model_len} ({blocks_per_seq} blocks): give it more memory "
-                                 "or lower max_model_len")
-            num_cpu_blocks = 0
-            if preemption_mode == "swap" and kv_cache == "paged":
-                # At most the device pool: nothing new is admitted while a sequence is swapped out, so swapped
-                # sequences stay few; when the CPU pool is full the scheduler preempts by recompute instead.
-                num_cpu_blocks = min(num_blocks_from_budget(swap_space * GiB, block_bytes), num_kv_blocks)
-            if kv_cache == "paged":
-                block_manager = block_manager_cls(num_kv_blocks, block_size, max_model_len, enable_prefix_caching, num_cpu_blocks)
-            else:
-                block_manager = ContiguousBlockManager(num_kv_blocks, block_size, max_model_len)
-            scheduler = scheduler_cls(SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
-                                                      preemption_mode, prefill_first), block_manager)
-            runner_args = (weights, backend, block_manager, num_kv_blocks, block_size, device, torch_dtype, num_cpu_blocks)
-            if workers:  # tensor parallel: eager (every rank would have to capture and replay in step)
-                runner = workers.driver_runner(*runner_args)
-            else:
-                graphs = None if enforce_eager or device != "cuda" else CUDAGraphConfig(
-                    max_num_seqs, max_model_len, max_seq_len_to_capture, min(max_capture_size, max_num_batched_tokens))
-                runner = ModelRunner(*runner_args, graphs=graphs)
-            self.llm_engine = LLMEngine(weights, tokenizer, runner, scheduler, max_model_len, seed, record_logits,
-                                        max_logprobs)
-            self.num_kv_blocks = num_kv_blocks
-            self.kv_cache = kv_cache
-        except BaseException:
-            if workers is not None:
-                workers.close()
-            raise
-        if workers is not None:
-            weakref.finalize(self, workers.close)  # an LLM dropped without close() still stops its workers
+        args = EngineArgs(**{name: value for name, value in locals().items() if name != "self"})
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self.num_kv_blocks = self.llm_engine.num_kv_blocks
+        self.kv_cache = args.kv_cache
+        runner = self.llm_engine.runner
+        if isinstance(runner, DriverRunner):  # an LLM dropped without close() still stops its workers
+            weakref.finalize(self, runner.workers.close)
         self._request_ids = itertools.count()
 
     # --- vLLM's offline API ---------------------------------------------------------------------
@@ -545,18 +533,15 @@ class LLM:
         bar.close()
         return [done[rid] for rid in ids]
 
-    def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams):
+    def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search (vLLM's `LLM.beam_search`): a list of BeamSearchOutput, beams best first."""
-        from pagedref.engine.beam_search import beam_search
-
         engine = self._engine()
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
-        if isinstance(engine.block_manager, ContiguousBlockManager):
-            raise ValueError("beam search needs shared blocks: kv_cache='contiguous' (the stage 1 baseline) has none")
+        engine.check_params(params)
         processed = [engine.process_prompt(p) for p in _as_list(prompts, "prompts")]
         engine.reset_stats()
-        return beam_search(engine, processed, params)
+        return beam_search(engine, processed, params, request_prefix=f"beam-{next(self._request_ids)}")
 
     def get_stats(self) -> dict[str, Any]:
         return self._engine().get_stats()
@@ -592,27 +577,6 @@ def _as_list(prompts, name: str) -> list:
     if not prompts:
         raise ValueError(f"{name} is empty: give at least one prompt")
     return prompts
-
-
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
-
-
-def resolve_device(device: str) -> str:
-    """"auto" -> "cuda" when torch sees a GPU and cupy (the kernels' runtime) works, else "cpu";
-    "cpu" or "cuda[:N]" as given, once checked."""
-    if device == "auto":
-        from pagedref.kernels import gpu_available
-
-        return "cuda" if gpu_available() else "cpu"
-    if not isinstance(device, str) or not (device == "cpu" or device.split(":")[0] == "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    if device != "cpu" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but torch sees no CUDA GPU")
-    return device
 
 
 class _NoBar:

@@ -1,14 +1,24 @@
-"""The model runner: owns the KV cache tensors and turns one scheduled step into one forward pass.
+"""The model runner: owns the KV cache tensors and turns one scheduled step into sampled tokens.
 
-One idea: everything an attention layer needs to find each token's K/V is built once per step, in
-`prepare()`, as one `AttentionMetadata` shared by every layer: the new tokens of all scheduled
-sequences concatenated ([T] input ids and positions), their slot mapping, and per sequence its query
-start offset, context length and block table. Then, in this order: swap-outs (device → CPU),
-copy-on-write copies, swap-ins (CPU → device), the forward pass, and logits only for the rows that
-sample (the last token of a sequence whose prompt is now fully computed, or its decode token).
+One idea: `execute(scheduler_output)` is one call, a pure function of its input (and of the KV cache
+it owns): everything an attention layer needs to find each token's K/V is built once per step, in
+`prepare()`, as one `AttentionMetadata` shared by every layer, from what the scheduler handed over
+(each sequence's token slice, block table and slot mapping, computed once by the block manager): the
+new tokens of all scheduled sequences concatenated ([T] input ids and positions), their slot mapping,
+and per sequence its query start offset, context length and block table. Then, in this order:
+swap-outs (device → CPU), copy-on-write copies, swap-ins (CPU → device), the forward pass, logits
+only for the rows that sample (the last token of a sequence whose known tokens are now all computed),
+and the sampler. It never calls back into the scheduler or the block manager.
 On CUDA (unless `enforce_eager`), a decode-only step replays one captured CUDA graph instead of
 issuing the forward's launches one by one, and any other step of up to `max_capture_size` tokens
 replays the graphs of the pieces between its attention calls (`pagedref.engine.cuda_graph`).
+
+Async scheduling: nothing on the way from the step's host lists to the sampled tokens waits for the
+GPU. The inputs go up from pinned memory without a sync, the cuda backend's value checks run on the
+host copy of the metadata before it goes up, and the sampled tokens stay on the device: a decode whose
+input was sampled by the step still in flight reads it there (`prev`), and the host copy of the
+tokens arrives in the background (`ModelRunnerOutput.token_ids` waits for it). So the host can build
+step N+1 while the GPU runs step N.
 
 KV pool sizing (`num_kv_blocks`):
 - explicit `num_kv_blocks`: exactly that many blocks;
@@ -32,22 +42,20 @@ block_size + p % block_size of its block table before any query row reads them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch
 
 from pagedref.backends.metadata import AttentionMetadata
+from pagedref.engine.config import GiB, MiB  # noqa: F401 (re-exported)
 from pagedref.engine.cuda_graph import CUDAGraphConfig, DecodeGraphs, PiecewiseGraphs, num_scratch_blocks
-from pagedref.engine.sampling import SampleResult, Sampler
+from pagedref.engine.sampling import Sampler, row_logprobs
 from pagedref.engine.scheduler import SchedulerOutput
-from pagedref.engine.sequence import Sequence
+from pagedref.engine.sequence import Logprob, Sequence
 from pagedref.memory.block_table import cdiv
-
-MiB = 1 << 20
-GiB = 1 << 30
 
 
 def kv_block_bytes(config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -76,24 +84,67 @@ def allocate_kv_caches(config, num_blocks: int, block_size: int, dtype: torch.dt
 class StepInput:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
-    sample_rows: list[int]  # row of the hidden states each sampling sequence reads
+    meta: AttentionMetadata  # on the device
+    sample_rows: list[int]  # row of the hidden states each sampling entry reads, in batch order
+    logit_rows: list[int]  # per sampling sequence, its row of the step's logits (n samples share one)
     sample_seqs: list[Sequence]
+    host_meta: AttentionMetadata | None = None  # the same on the CPU, for host-side checks (CUDA)
+
+
+class ModelRunnerOutput:
+    """One step's sampled tokens, one per sampling sequence in the order of `SchedulerOutput.sampling_seqs()`.
+    The tokens are on the device at once (`token_tensor`, what the next step reads); `token_ids`,
+    `logprobs` and `logits` are their host views, computed when first read (they wait for the device)."""
+
+    def __init__(self, tokens: torch.Tensor, logits: torch.Tensor | None, rows: list[int], seqs: list[Sequence]) -> None:
+        self.token_tensor = tokens  # [S] int64, on the device
+        self._rows, self._seqs = rows, seqs
+        # the step's logits [R, vocab] outlive it only where a sequence reads them (logprobs, recorded logits)
+        wanted = any(seq.params.logprobs is not None or seq.logits is not None for seq in seqs)
+        self._logits = logits if wanted else None
+        self._event = None
+        if tokens.device.type == "cuda":  # the host copy goes in the background; token_ids waits for it
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tokens
+
+    @functools.cached_property
+    def token_ids(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+    @functools.cached_property
+    def logprobs(self) -> list[tuple[float, dict[int, Logprob]] | None] | None:
+        """(logprob of the sampled token, {token: Logprob} of it and the k most likely), where the sequence asked."""
+        if all(seq.params.logprobs is None for seq in self._seqs):
+            return None
+        return [None if seq.params.logprobs is None else row_logprobs(self._logits[row], token, seq.params.logprobs)
+                for row, seq, token in zip(self._rows, self._seqs, self.token_ids)]
+
+    @functools.cached_property
+    def logits(self) -> list[torch.Tensor | None] | None:
+        """Each sampled token's logits row [vocab] float32 on the CPU, where the sequence records them."""
+        if all(seq.logits is None for seq in self._seqs):
+            return None
+        return [None if seq.logits is None else self._logits[row].detach().cpu().clone()
+                for row, seq in zip(self._rows, self._seqs)]
 
 
 class ModelRunner:
     """One rank's KV pools and steps. Under tensor parallelism (tp_size > 1) the pools hold this rank's
-    KV heads only, and `pagedref.distributed.worker` drives the other ranks through `run_model`."""
+    KV heads only, and `DriverRunner` sends each step to the other ranks (`pagedref.distributed.worker`)."""
 
-    def __init__(self, model, backend, block_manager, num_blocks: int, block_size: int, device, dtype: torch.dtype,
+    def __init__(self, model, backend, num_blocks: int, block_size: int, device, dtype: torch.dtype,
                  num_cpu_blocks: int = 0, tp_size: int = 1, graphs: CUDAGraphConfig | None = None) -> None:
         """graphs: capture CUDA graphs (`pagedref.engine.cuda_graph`) as configured; None: every step eager."""
         self.model = model
         self.backend = backend
-        self.block_manager = block_manager
         self.block_size = block_size
         self.device = torch.device(device)
-        self.dtype = dtype  # of the weights' activations and the KV pool
         # CUDA graphs pad their batches; the padding rows' K/V go to scratch blocks past the managed ones.
         scratch = num_scratch_blocks(graphs.max_num_seqs, block_size) if graphs is not None else 0
         self.kv_caches = allocate_kv_caches(model.config, num_blocks + scratch, block_size, dtype, device, tp_size=tp_size)
@@ -106,56 +157,108 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, backend, self.kv_caches, block_size, graphs.max_num_seqs, graphs.max_model_len,
                                        graphs.max_seq_len_to_capture, first_scratch_block=num_blocks)
             self.piecewise = PiecewiseGraphs(model, backend, self.kv_caches, graphs.max_capture_size)
+        # Set to a list to time each step's GPU work: execute() appends (start, end) CUDA events (bench profile).
+        self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+
+    @staticmethod
+    def load_shard(model_dir: str, device: str, dtype: torch.dtype, batch_invariant: bool, tp):
+        """(model, attention backend) of one tensor-parallel rank: what a worker runs its steps with."""
+        from pagedref.backends import get_backend
+        from pagedref.models import load_model
+
+        model = load_model(model_dir, device=device, dtype=dtype, batch_invariant=batch_invariant, tp=tp)
+        return model, get_backend("reference" if device == "cpu" else "cuda")
 
     # --- one step -------------------------------------------------------------------------------
-    def prepare(self, sched: SchedulerOutput) -> StepInput:
+    @torch.no_grad()
+    def execute(self, sched: SchedulerOutput, prev: ModelRunnerOutput | None = None) -> ModelRunnerOutput:
+        """Run the step and sample: the tokens of every sampling sequence. prev: the output of the step
+        still in flight, whose tokens some of this step's decodes read (async scheduling)."""
+        timed = self.step_events is not None and self.device.type == "cuda"
+        if timed:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        step = self.prepare(sched, prev)
+        hidden = self.run_model(step.input_ids, step.positions, step.meta, sched, step.host_meta)  # [T, hidden]
+        if step.sample_rows:
+            logits = self.model.compute_logits(hidden.index_select(0, self._upload(step.sample_rows)))  # [R, vocab]
+        else:
+            logits = hidden.new_empty((0, 0))
+        tokens = self.sampler.sample_tokens(logits, step.logit_rows, step.sample_seqs, self._upload)
+        out = ModelRunnerOutput(tokens, logits, step.logit_rows, step.sample_seqs)
+        if timed:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.step_events.append((start, end))
+        return out
+
+    def prepare(self, sched: SchedulerOutput, prev: ModelRunnerOutput | None = None) -> StepInput:
         """The step's inputs and its AttentionMetadata, built once for every layer.
 
-        Built in plain Python lists, then one tensor per field: with hundreds of sequences a step,
-        small per-sequence numpy/torch ops (each ~1-3 us of call overhead) cost more than the work."""
-        bs = self.block_size
+        Built in plain Python lists from the scheduler's slices, then one tensor per field: with
+        hundreds of sequences a step, small per-sequence numpy/torch ops (each ~1-3 us of call
+        overhead) cost more than the work."""
         ids, positions, slots, query_lens, context_lens, tables = [], [], [], [], [], []
-        sample_rows, sample_seqs = [], []
+        sample_rows, logit_rows, sample_seqs, in_flight_rows, in_flight_src = [], [], [], [], []
         num_rows = 0
-        for seq, n in sched.scheduled:
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            blocks = self.block_manager.block_ids(seq)
-            if n == 1:  # a decode, most rows of most steps: one token, one slot, no slices or ranges
-                ids.append(seq.token_ids[start])
+        for s in sched.scheduled:
+            n, start = s.num_new_tokens, s.num_computed_tokens
+            if s.prev_sample_index >= 0:  # a decode whose input the step in flight is sampling: read on the device
+                in_flight_rows.append(num_rows)
+                in_flight_src.append(s.prev_sample_index)
+            if n == 1:  # a decode, most rows of most steps: no ranges
+                ids.append(s.token_ids[0])
                 positions.append(start)
-                slots.append(blocks[start // bs] * bs + start % bs)
+                slots.append(s.slot_mapping[0])
             else:
-                ids.extend(seq.token_ids[start:end])
-                positions.extend(range(start, end))
-                slots.extend(slot_range(blocks, start, end, bs))
+                ids.extend(s.token_ids)
+                positions.extend(range(start, start + n))
+                slots.extend(s.slot_mapping)
             query_lens.append(n)
-            context_lens.append(end)
-            tables.append(blocks)
+            context_lens.append(start + n)
+            tables.append(s.block_ids)
             num_rows += n
-            if end == seq.num_tokens:  # everything known is computed: this row samples
+            if s.sample_seqs:  # everything known is computed: this row samples (for one sequence, or n)
+                logit_rows.extend([len(sample_rows)] * len(s.sample_seqs))
                 sample_rows.append(num_rows - 1)
-                sample_seqs.append(seq)
+                sample_seqs.extend(s.sample_seqs)
         # [num_seqs, max_blocks] int32, rows padded with -1: every table's ids in one go, in row order
         # (one boolean-mask assignment instead of a numpy call per sequence)
         lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
         block_tables = np.full((len(tables), int(lens.max())), -1, dtype=np.int32)
         block_tables[np.arange(block_tables.shape[1]) < lens[:, None]] = np.fromiter(
             itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
-            block_size=bs,
-        )
-        return StepInput(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta=meta, sample_rows=sample_rows, sample_seqs=sample_seqs,
-        )
+        qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=qsl[1:])
+        host = StepInput(
+            input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.tensor(positions, dtype=torch.int64),
+            meta=AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc=torch.from_numpy(qsl),
+                context_lens=torch.tensor(context_lens, dtype=torch.int32), block_tables=torch.from_numpy(block_tables),
+                max_query_len=max(query_lens), max_context_len=max(context_lens), block_size=self.block_size),
+            sample_rows=sample_rows, logit_rows=logit_rows, sample_seqs=sample_seqs)
+        if self.device.type == "cpu":
+            step = host
+        else:
+            step = StepInput(self._upload(host.input_ids), self._upload(host.positions), self._upload_meta(host.meta),
+                             sample_rows, logit_rows, sample_seqs, host_meta=host.meta)
+        if in_flight_rows:
+            tokens = prev.token_tensor.index_select(0, self._upload(in_flight_src))
+            step.input_ids.index_copy_(0, self._upload(in_flight_rows), tokens)
+        return step
+
+    def _upload(self, x) -> torch.Tensor:
+        """A host list or tensor on the device. On CUDA through pinned memory, without a sync (a plain
+        copy from pageable memory waits for the GPU: the host would stop overlapping it)."""
+        t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.int64)
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _upload_meta(self, meta: AttentionMetadata) -> AttentionMetadata:
+        up = self._upload
+        return AttentionMetadata(up(meta.slot_mapping), up(meta.query_start_loc), up(meta.context_lens),
+                                 up(meta.block_tables), meta.max_query_len, meta.max_context_len, meta.block_size)
 
     def copy_blocks(self, sched: SchedulerOutput) -> None:
         """Swap out, copy-on-write, swap in: in this order, all before the forward writes anything.
@@ -182,41 +285,62 @@ class ModelRunner:
 
     def _index(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         src, dst = zip(*pairs)
-        return (torch.tensor(src, dtype=torch.int64, device=self.device),
-                torch.tensor(dst, dtype=torch.int64, device=self.device))
-
-    @torch.no_grad()
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, StepInput]:
-        """Run the step. Returns the logits [num sampling sequences, vocab] (float32) and the step input."""
-        step = self.prepare(sched)
-        hidden = self.run_model(step.input_ids, step.positions, step.meta, sched)  # [T, hidden]
-        rows = torch.tensor(step.sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[rows]) if step.sample_rows else hidden.new_empty((0, 0))
-        return logits, step
+        return self._upload(list(src)), self._upload(list(dst))
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                  blocks: SchedulerOutput) -> torch.Tensor:
-        """The step's block operations, then the forward pass: what every tensor-parallel rank runs."""
+                  blocks: SchedulerOutput, host_meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """The step's block operations, then the forward pass: what every tensor-parallel rank runs.
+        A backend whose value checks read the metadata on the host (`check_step`: the cuda one) checks
+        the host copy once, here, and runs unchecked: no sync between the step's launches."""
         self.copy_blocks(blocks)
+        check = getattr(self.backend, "check_step", None)
+        if check is None:
+            return self._forward(input_ids, positions, meta)
+        check(host_meta if host_meta is not None else meta, self.kv_caches[0])
+        with self.backend.unchecked():
+            return self._forward(input_ids, positions, meta)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_replay(meta):
             return self.graphs.replay(input_ids, positions, meta)
         if self.piecewise is not None and self.piecewise.can_replay(meta):
             return self.piecewise.replay(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
 
-    def sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
-        return self.sampler(logits, rows, seqs)
+    def check_healthy(self) -> None:
+        """Raise if the runner cannot run steps any more (a tensor-parallel worker failed)."""
 
     def close(self) -> None:
         self.kv_caches, self.cpu_caches, self.graphs, self.piecewise = [], [], None, None
 
 
-def slot_range(block_ids: list[int], start: int, end: int, block_size: int) -> Iterator[int]:
-    """The slots of positions start..end-1 (block_ids[p // block_size] * block_size + p % block_size),
-    one range per block touched: a chunk of 256 tokens is 16 ranges, not 256 divisions."""
-    for b in range(start // block_size, cdiv(end, block_size)):
-        base = block_ids[b] * block_size - b * block_size  # slot of position p in block b = base + p
-        yield from range(base + max(start, b * block_size), base + min(end, (b + 1) * block_size))
+class DriverRunner(ModelRunner):
+    """Rank 0's model runner under tensor parallelism: each step goes to the workers first (one
+    `StepMessage`, its host tensors), then rank 0 runs its own shard of it. The workers only execute."""
+
+    def __init__(self, *args, workers, **kwargs) -> None:
+        super().__init__(*args, **kwargs, tp_size=workers.tp.size)
+        self.workers = workers
+
+    def run_model(self, input_ids, positions, meta, blocks, host_meta=None) -> torch.Tensor:
+        from pagedref.distributed.worker import StepMessage
+
+        if host_meta is None:  # CPU copies for the pickle (blocking: an unfinished non_blocking copy would be pickled)
+            host_meta = AttentionMetadata(meta.slot_mapping.cpu(), meta.query_start_loc.cpu(), meta.context_lens.cpu(),
+                                          meta.block_tables.cpu(), meta.max_query_len, meta.max_context_len, meta.block_size)
+        msg = StepMessage(input_ids.cpu(), positions.cpu(), host_meta, blocks.blocks_to_swap_out,
+                          blocks.blocks_to_copy, blocks.blocks_to_swap_in)
+        with self.workers.guard():
+            self.workers.send_step(msg)
+            return super().run_model(input_ids, positions, meta, blocks, host_meta)
+
+    def check_healthy(self) -> None:
+        with self.workers.guard():  # raises once a worker has failed
+            pass
+
+    def close(self) -> None:
+        super().close()
+        self.workers.close()
 
 
 # --- KV pool sizing ----------------------------------------------------------------------------------

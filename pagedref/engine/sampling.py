@@ -1,4 +1,4 @@
-"""Sampling: `SamplingParams` (vLLM's names and meanings) and the sampler that turns logits into tokens.
+"""Sampling: the sampler that turns logits into tokens, with `SamplingParams` (pagedref.engine.sampling_params).
 
 One idea: a token is drawn from one row of logits using only that row, that request's parameters
 and that sequence's own `torch.Generator`, so the choice never depends on what else is in the batch.
@@ -28,102 +28,24 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedref.engine.sampling_params import BeamSearchParams, SamplingParams  # noqa: F401 (re-exported: their old home)
 from pagedref.engine.sequence import Logprob, Sequence
-
-_SAMPLING_EPS = 1e-5  # vLLM: a temperature below this is greedy
-
-
-def _check_int(name: str, value, low: int | None = None, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be at least {low}, got {value}")
-
-
-def _check_number(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    return float(value)
-
-
-@dataclass
-class SamplingParams:
-    """How to generate for one prompt (vLLM's `SamplingParams`; defaults as in vLLM)."""
-
-    n: int = 1  # independent samples of the prompt; they share its KV blocks (forked after prefill)
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # keep the smallest set of most likely tokens whose probability reaches top_p
-    top_k: int = -1  # keep the k most likely tokens (-1 = all)
-    min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one's probability
-    seed: int | None = None
-    max_tokens: int | None = 16  # None = until max_model_len
-    stop: str | list[str] | None = None  # stop strings: the text is cut before them
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    logprobs: int | None = None  # None = none; 0 = the sampled token's; k = also the k most likely
-    skip_special_tokens: bool = True
-
-    def __post_init__(self) -> None:
-        _check_int("n", self.n, 1)
-        self.temperature = _check_number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        self.top_p = _check_number("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k)
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
-        self.min_p = _check_number("min_p", self.min_p)
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        _check_int("max_tokens", self.max_tokens, 1, allow_none=True)
-        _check_int("seed", self.seed, allow_none=True)
-        _check_int("logprobs", self.logprobs, 0, allow_none=True)
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        for t in self.stop_token_ids:
-            _check_int("stop_token_ids entry", t, 0)
-        if self.is_greedy:  # as vLLM: the masks mean nothing to an argmax
-            self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < _SAMPLING_EPS
-
-
-@dataclass
-class BeamSearchParams:
-    """`LLM.beam_search` parameters (vLLM's `BeamSearchParams`). Beam search here is deterministic."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        _check_int("beam_width", self.beam_width, 1)
-        _check_int("max_tokens", self.max_tokens, 1)
-        if _check_number("temperature", self.temperature) != 0.0:
-            raise ValueError(f"temperature must be 0 for beam search (it ranks by the model's logprobs), "
-                             f"got {self.temperature}")
-        self.length_penalty = _check_number("length_penalty", self.length_penalty)
-
 
 @dataclass
 class SampleResult:
     token_id: int
     logprob: float | None = None  # of the sampled token (when logprobs were asked)
     top_logprobs: dict[int, Logprob] | None = None  # sampled + top-k (when logprobs were asked)
+
+
+@dataclass
+class SamplerOutput:
+    """One step's samples as `Scheduler.update` reads them: one entry per sampling sequence, in the order
+    of `SchedulerOutput.sampling_seqs()` (the model runner's output has the same fields)."""
+
+    token_ids: list[int]
+    logprobs: list[tuple[float, dict[int, Logprob]] | None] | None = None  # where the sequence asked for logprobs
+    logits: list[torch.Tensor | None] | None = None  # [vocab] float32 on the CPU, where the sequence records them
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -169,7 +91,7 @@ def sampling_key(params: SamplingParams) -> tuple[float, float, int, float]:
 
 
 def sample_rows(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator | None],
-                race: torch.Tensor | None = None) -> list[int]:
+                race: torch.Tensor | None = None) -> torch.Tensor:
     """`sample_row` for several rows [rows, vocab] with the same (non-greedy) params, as whole-batch ops.
     Each op acts on every row separately, so row i gives what `sample_row(logits[i], params,
     generators[i])` gives. `race` (E ~ Exp(1), [rows, vocab]) may be drawn already (see Sampler)."""
@@ -191,7 +113,7 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams, generators: list[t
         race = torch.empty_like(probs)
         for row, generator in zip(race, generators):  # one stream per sequence: never batched
             row.exponential_(generator=generator)
-    return (probs / race).argmax(-1).tolist()
+    return (probs / race).argmax(-1)  # [rows] int64, on the logits' device (no host sync)
 
 
 class Sampler:
@@ -207,32 +129,45 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
         """logits [R, vocab] float32; seqs[i] samples from logits[rows[i]] (several sequences may share
         a row: the n samples of a prompt, right after its prefill)."""
-        tokens: list[int] = [0] * len(seqs)
+        tokens = self.sample_tokens(logits, rows, seqs).tolist()
+        results = [SampleResult(token) for token in tokens]
+        for row, seq, result in zip(rows, seqs, results):
+            if seq.params.logprobs is not None:
+                result.logprob, result.top_logprobs = row_logprobs(logits[row], result.token_id, seq.params.logprobs)
+        return results
+
+    def sample_tokens(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence],
+                      index=None) -> torch.Tensor:
+        """The tokens [len(seqs)] int64, on the logits' device, with no host sync on the way (so a step's
+        tokens can stay on the GPU for the next step while the host schedules it: async scheduling).
+        index(list) -> an int64 tensor on the logits' device (the runner passes one that copies from
+        pinned memory without a sync; by default torch.tensor)."""
+        if not seqs:  # a step of prefill chunks only: nobody samples
+            return torch.empty(0, dtype=torch.int64, device=logits.device)
+        index = index or (lambda xs: torch.tensor(xs, dtype=torch.int64, device=logits.device))
         greedy = [seq.params.is_greedy for seq in seqs]
-        # argmax involves no arithmetic, so one batched argmax equals the per-row ones exactly, and
-        # it costs one device sync instead of one per row.
-        argmax = logits.argmax(-1).tolist() if any(greedy) else []
+        one_to_one = rows == list(range(logits.shape[0]))
+        if all(greedy):  # argmax involves no arithmetic: the batched argmax equals the per-row ones exactly
+            argmax = logits.argmax(-1)
+            return argmax if one_to_one else argmax[index(rows)]
+        tokens = torch.zeros(len(seqs), dtype=torch.int64, device=logits.device)
+        if any(greedy):
+            picked = [i for i, g in enumerate(greedy) if g]
+            tokens[index(picked)] = logits.argmax(-1)[index([rows[i] for i in picked])]
         groups: dict[tuple, list[int]] = {}  # sampling key -> indices into seqs, in batch order
-        for i, (row, seq) in enumerate(zip(rows, seqs)):
-            if greedy[i]:
-                tokens[i] = argmax[row]
-            else:
+        for i, seq in enumerate(seqs):
+            if not greedy[i]:
                 groups.setdefault(sampling_key(seq.params), []).append(i)
         races = self._draw_in_batch_order(logits, groups, seqs)
         step = self.rows_per_batch(logits)
         for key, members in groups.items():
             for start in range(0, len(members), step):
                 chunk = members[start:start + step]
-                x = logits[[rows[i] for i in chunk]]  # [chunk rows, vocab]
+                x = logits.index_select(0, index([rows[i] for i in chunk]))  # [chunk rows, vocab]
                 race = races[key][start:start + step] if races else None  # None: drawn in sample_rows
                 drawn = sample_rows(x, seqs[chunk[0]].params, [seqs[i].generator for i in chunk], race)
-                for i, token in zip(chunk, drawn):
-                    tokens[i] = token
-        results = [SampleResult(token) for token in tokens]
-        for row, seq, result in zip(rows, seqs, results):
-            if seq.params.logprobs is not None:
-                result.logprob, result.top_logprobs = row_logprobs(logits[row], result.token_id, seq.params.logprobs)
-        return results
+                tokens[index(chunk)] = drawn
+        return tokens
 
     @staticmethod
     def _draw_in_batch_order(logits: torch.Tensor, groups: dict[tuple, list[int]],

@@ -33,33 +33,68 @@ sequence admitted later in the same step may already have been handed those bloc
 (safe, because each layer writes the whole step's K/V before any row reads). Freeing them would
 hand out blocks whose K/V will never be written.
 
+The step contract (vLLM v0's SequenceGroupMetadata, nano-vllm's schedule/postprocess): each step is
+`schedule()` → `ModelRunner.execute(output)` → `update(output, sampled)`, and nothing else.
+- `schedule()` returns a `SchedulerOutput`: per scheduled sequence (`ScheduledSequence`), its token
+  slice, block table and slot mapping, as the block manager computed them (once), and who samples
+  from its last row; plus the step's block copies. It counts the scheduled tokens as computed at
+  once, and each token the step will sample as a *placeholder*, so the next step can be scheduled
+  before that token is known (async scheduling: the runner reads it on the device).
+- `update()` is the one writer of what the step produced: it appends the sampled tokens (resolving
+  their placeholders), forks the n samples of a prompt after its prefill (copy-on-write), ranks beam
+  search's rounds and forks the survivors, checks the stop rules, finishes and frees.
+A sequence whose step-N token is still in flight when step N+1 is scheduled decodes it in N+1 only
+if that token is known to be an ordinary next token: never a prompt's first samples that fork
+(n > 1) or a beam's candidates, and never past max_tokens or max_model_len. If the token turns out
+to stop it (eos, a stop string), `update` finishes it then and drops what N+1 computed for it; its
+blocks are freed at once (the GPU runs N+1 before any later step can reuse them).
+
 Invariant: the scheduled tokens never exceed the budget; every scheduled sequence holds slots for
-all of its scheduled tokens; a sequence is in exactly one of waiting, running, swapped (or finished).
+all of its scheduled tokens; a sequence is in exactly one of waiting, running, swapped (or finished),
+except an idle beam whose blocks were taken back, which waits in no queue for its round's ranking;
+`num_computed_tokens`, `num_placeholders`, the queues and the token lists are written here only.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
+import torch
+
+from pagedref.engine import beam_search
 from pagedref.engine.block_manager import BlockManager, ContiguousBlockManager
-from pagedref.engine.sequence import Sequence, SequenceStatus
+from pagedref.engine.config import SchedulerConfig
+from pagedref.engine.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
+from pagedref.engine.stop_checker import StopChecker
+
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "ScheduledSequence", "SampledTokens"]
 
 
 @dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"  # or "swap"
-    prefill_first: bool = False  # vLLM v0's policy without chunking: a step admits prompts or decodes, never both
+class ScheduledSequence:
+    """One sequence's share of a step (vLLM v0's SequenceGroupMetadata), everything the runner needs."""
+
+    seq: Sequence
+    num_new_tokens: int  # its query rows in this step
+    num_computed_tokens: int  # before the step: the position of its first new token
+    token_ids: list[int]  # the new tokens (a placeholder's: 0, read from prev_sample_index's token on the device)
+    block_ids: list[int]  # its block table (the block manager's list: read it before the next schedule())
+    slot_mapping: list[int]  # one slot per new token, from the memory layer
+    sample_seqs: list[Sequence] = field(default_factory=list)  # who samples from its last row ([]: a prefill chunk)
+    prev_sample_index: int = -1  # >= 0: its input is the token sampled at this index of the step still in flight
+
+    @property
+    def context_len(self) -> int:
+        return self.num_computed_tokens + self.num_new_tokens
 
 
 @dataclass
 class SchedulerOutput:
-    """One step's work: which sequences compute how many tokens, and the block copies to make first."""
+    """One step's work: which sequences compute which tokens where, and the block copies to make first."""
 
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, num new tokens), batch order
+    scheduled: list[ScheduledSequence] = field(default_factory=list)  # batch order
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
@@ -67,11 +102,24 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def sampling_seqs(self) -> list[Sequence]:
+        """Every sequence that samples in the step, in the order of the sampled tokens."""
+        return [seq for s in self.scheduled for seq in s.sample_seqs]
+
+
+class SampledTokens(Protocol):
+    """What `update` reads from `ModelRunner.execute` (a `pagedref.engine.sampling.SamplerOutput`, or the
+    runner's output, whose fields wait for the device): one entry per sampling sequence, in order."""
+
+    token_ids: list[int]
+    logprobs: list[tuple[float, dict[int, Logprob]] | None] | None  # where the sequence asked for logprobs
+    logits: list[torch.Tensor | None] | None  # [vocab] float32 on the CPU, where the sequence records them
 
 
 @dataclass
@@ -79,30 +127,25 @@ class _Step:
     """One `schedule()` call in progress: its output so far and the token budget it has left."""
 
     budget: int
+    prev_index: dict[int, int] | None  # seq_id -> its token's index in the step in flight (async scheduling)
     out: SchedulerOutput = field(default_factory=SchedulerOutput)
     scheduled_ids: set[int] = field(default_factory=set)
 
-    def take(self, seq: Sequence, n: int) -> None:
-        self.out.scheduled.append((seq, n))
-        self.scheduled_ids.add(seq.seq_id)
-        self.budget -= n
-
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | ContiguousBlockManager) -> None:
-        if config.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {config.preemption_mode!r}")
-        if config.prefill_first and config.enable_chunked_prefill:
-            raise ValueError("prefill_first is vLLM v0's policy without chunked prefill: "
-                             "set enable_chunked_prefill=False (chunked prefill schedules decodes first)")
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | ContiguousBlockManager,
+                 stop_checker: StopChecker | None = None) -> None:
+        """stop_checker: the engine's stop rules (max_model_len, eos ids, stop strings); by default max_tokens only."""
         self.config = config
         self.block_manager = block_manager
+        self.stop_checker = stop_checker or StopChecker()
         self.waiting: deque[Sequence] = deque()  # new, or preempted by recompute (at the front)
         self.running: list[Sequence] = []  # hold device blocks; in admission order
         self.swapped: deque[Sequence] = deque()  # preempted by swap, oldest first
-        self.paused: list[Sequence] = []  # finished beams that keep their blocks until beam search forks them
+        self.in_flight: deque[SchedulerOutput] = deque()  # scheduled, not updated yet (1; 2 with async scheduling)
         self.num_preemptions = 0
         self.num_swap_outs = 0  # preemptions that swapped (the others recomputed)
+        self.num_generated_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -113,25 +156,48 @@ class Scheduler:
 
     # --- the step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        step = _Step(self.config.max_num_batched_tokens)
+        prev = self.in_flight[-1] if self.in_flight else None  # async: its tokens are not known yet
+        prev_index = {seq.seq_id: i for i, seq in enumerate(prev.sampling_seqs())} if prev is not None else None
+        step = _Step(self.config.max_num_batched_tokens, prev_index)
         if self.config.prefill_first:  # vLLM v0 without chunking: new prompts first, in steps of their own
             self._schedule_waiting(step)  # (none while a sequence is swapped out: it comes back first)
-            if step.out.scheduled:
-                return step.out  # a prefill step: every running sequence waits for the next one
+            if not step.out.scheduled:  # else a prefill step: every running sequence waits for the next one
+                self._schedule_running(step)
+                self._schedule_swapped(step)
+        else:
             self._schedule_running(step)
             self._schedule_swapped(step)
-            return step.out
-        self._schedule_running(step)
-        self._schedule_swapped(step)
-        self._schedule_waiting(step)
+            self._schedule_waiting(step)
+        if step.out.scheduled:
+            self.in_flight.append(step.out)
         return step.out
+
+    def _take(self, step: _Step, seq: Sequence, n: int, slots: list[int]) -> None:
+        """Schedule n tokens of seq into their slots: its computed count and placeholders move now."""
+        start = seq.num_computed_tokens
+        entry = ScheduledSequence(seq, n, start, seq.token_ids[start:start + n], self.block_manager.block_ids(seq), slots)
+        if len(entry.token_ids) < n:  # its last token is in flight: a decode whose input the runner reads on the device
+            assert n == 1 and step.prev_index is not None, "only a decode can wait on a token in flight"
+            entry.token_ids, entry.prev_sample_index = [0], step.prev_index[seq.seq_id]
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens + seq.num_placeholders:  # all known: its last row samples
+            group = seq.group
+            forks = group is not None and group.n > 1 and not group.forked
+            entry.sample_seqs = group.seqs if forks else [seq]
+            if not forks and (group is None or group.beam is None) and not self.stop_checker.ends_by_length(seq, 1):
+                seq.num_placeholders += 1  # an ordinary next token: the next step may decode it before it is known
+        step.out.scheduled.append(entry)
+        step.scheduled_ids.add(seq.seq_id)
+        step.budget -= n
 
     def _schedule_running(self, step: _Step) -> None:
         """1. Running: decodes first, then the next chunk of each partly prefilled prompt."""
         out = step.out
         decodes, prefills = [], []
         for seq in self.running:
-            (prefills if seq.is_prefill else decodes).append(seq)
+            n = seq.num_uncomputed_tokens
+            if n:  # (idle: nothing to compute until its token is decided)
+                (prefills if n > 1 else decodes).append(seq)
         for seq in decodes + prefills:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted above, as someone's victim
@@ -143,16 +209,16 @@ class Scheduler:
                     continue
                 n = step.budget
             while not self.block_manager.can_append(seq, n):
-                if self.paused:  # idle beams give their blocks back first
-                    self._drop_paused()
+                if self._reclaim_idle(step):  # idle beams give their blocks back first
                     continue
                 victim = self._pick_victim(seq, step.scheduled_ids)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                out.blocks_to_copy += self.block_manager.append_slots(seq, n)
-                step.take(seq, n)
+                slots, copies = self.block_manager.append_slots(seq, n)
+                out.blocks_to_copy += copies
+                self._take(step, seq, n, slots)
 
     def _schedule_swapped(self, step: _Step) -> None:
         """2. Swapped, back in admission order; not in a step that swapped someone out."""
@@ -162,37 +228,42 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, step.budget)
             if seq.is_prefill and not self.config.enable_chunked_prefill and n < seq.num_uncomputed_tokens:
                 break
-            while not self.block_manager.can_swap_in(seq, n) and self.paused:
-                self._drop_paused()
+            while not self.block_manager.can_swap_in(seq, n) and self._reclaim_idle(step):
+                pass
             if not self.block_manager.can_swap_in(seq, n):
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in += self.block_manager.swap_in(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.blocks_to_copy += self.block_manager.append_slots(seq, n)
-            step.take(seq, n)
+            slots, copies = self.block_manager.append_slots(seq, n)
+            out.blocks_to_copy += copies
+            self._take(step, seq, n, slots)
 
     def _schedule_waiting(self, step: _Step) -> None:
         """3. Waiting, first come first served: the prompt minus its cached prefix, in what budget is left."""
+        bm = self.block_manager
         while (self.waiting and not self.swapped and not step.out.preempted and step.budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            num_cached = self.block_manager.num_cached_tokens(seq)
-            n = seq.num_tokens - num_cached  # >= 1: the cache never covers the last token
+            assert not seq.num_placeholders, "a waiting sequence's tokens are all known"
+            hit = bm.lookup(seq)  # once per admission: reused by can_allocate and allocate
+            n = seq.num_tokens - hit.num_tokens  # >= 1: the cache never covers the last token
             if n > step.budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = step.budget
-            while not self.block_manager.can_allocate(seq, n) and self.paused:
-                self._drop_paused()
-            if not self.block_manager.can_allocate(seq, n):
+            while not bm.can_allocate(seq, n, hit) and self._reclaim_idle(step):
+                pass  # (freeing blocks evicts no cached one: the hit stays valid)
+            if not bm.can_allocate(seq, n, hit):
                 break
             self.waiting.popleft()
-            seq.num_computed_tokens = self.block_manager.allocate(seq, n)
+            seq.num_computed_tokens, slots = bm.allocate(seq, n, hit)
+            if seq.group is not None and seq.group.num_cached_tokens is None:
+                seq.group.num_cached_tokens = seq.num_computed_tokens  # the prefix cache's share of the prompt
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            step.take(seq, n)
+            self._take(step, seq, n, slots)
 
     def _pick_victim(self, seq: Sequence, scheduled_ids: set[int]) -> Sequence:
         """The most recently admitted running sequence not scheduled this step; else the requester itself."""
@@ -205,41 +276,147 @@ class Scheduler:
         out.preempted.append(seq)
         self.num_preemptions += 1
         self.running.remove(seq)
-        if (self.config.preemption_mode == "swap" and seq.num_computed_tokens > 0
+        if (self.config.preemption_mode == "swap" and seq.num_computed_tokens > 0 and not seq.is_idle
                 and self.block_manager.can_swap_out(seq)):
             out.blocks_to_swap_out += self.block_manager.swap_out(seq)
             self.num_swap_outs += 1
             seq.status = SequenceStatus.SWAPPED
             self.swapped.appendleft(seq)  # victims come newest first: the oldest ends up in front
-        else:  # recompute (also the fallback when the swap pool is full)
+        else:  # recompute (also the fallback when the swap pool is full; an idle sequence has nothing to swap back for)
             self.block_manager.free(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
 
-    def _drop_paused(self) -> None:
-        """An idle beam (finished its round, waiting to be forked) gives its blocks back; beam search
-        then recomputes its children from their tokens. Never scheduled, so always safe to free."""
-        seq = self.paused.pop()
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
-        self.num_preemptions += 1
+    def _reclaim_idle(self, step: _Step) -> bool:
+        """Take back the blocks of the most recently admitted idle beam (one that has reported its round's
+        candidates and waits for the ranking; never one whose token is in flight). It leaves the queues:
+        its round's survivors fork it if it still holds blocks, else are recomputed from their tokens.
+        Returns False when there is none."""
+        in_flight = step.prev_index or {}
+        for seq in reversed(self.running):
+            if seq.is_idle and seq.seq_id not in in_flight and seq.seq_id not in step.scheduled_ids:
+                self.running.remove(seq)
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.WAITING  # (in no queue: its group decides what follows it)
+                self.num_preemptions += 1
+                return True
+        return False
 
     # --- after the step -------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: SampledTokens) -> list[SequenceGroup]:
+        """Apply the step's sampled tokens (in the order of out.sampling_seqs()) to its sequences: the
+        one writer of what a step produced. Returns the requests that advanced, in batch order."""
+        if not self.in_flight or self.in_flight[0] is not out:
+            raise RuntimeError("update() takes the scheduled steps in the order schedule() returned them")
+        self.in_flight.popleft()
+        token_ids = sampled.token_ids
+        advanced: dict[int, SequenceGroup] = {}
+        i = 0
+        for entry in out.scheduled:
+            seqs, first = entry.sample_seqs, i
+            i += len(seqs)
+            parent = entry.seq
+            if not seqs or parent.is_finished:  # a chunk; or stopped (aborted) while the step was in flight: dropped
+                continue
+            group = parent.group
+            if group is not None and group.beam is not None:
+                self._report_beam(group, parent, sampled, first)
+            else:
+                if len(seqs) > 1:  # the prompt's prefill has sampled its n first tokens: n sequences from here
+                    self._fork_samples(group, parent)
+                for j, seq in enumerate(seqs):
+                    self._append(seq, token_ids[first + j], sampled, first + j)
+            if group is not None:
+                advanced[id(group)] = group
+        return list(advanced.values())
+
+    def _append(self, seq: Sequence, token: int, sampled: SampledTokens, i: int) -> None:
+        """The sampled token joins the sequence (its placeholder, if it had one); then the stop rules."""
+        seq.token_ids.append(token)
+        if seq.num_placeholders:
+            seq.num_placeholders -= 1
+            pos = seq.num_tokens - 1
+            if seq.num_computed_tokens > pos and seq.status is SequenceStatus.RUNNING:  # its slot was given unknown
+                self.block_manager.set_token(seq, pos)
+        self.num_generated_tokens += 1
+        if seq.logprobs is not None:
+            logprob, top = sampled.logprobs[i]
+            self._name_tokens(top)
+            seq.logprobs.append(top)
+            seq.cumulative_logprob += logprob
+        if seq.logits is not None:
+            seq.logits.append(sampled.logits[i])
+        status = self.stop_checker(seq)
+        if status is not None:
+            self.finish(seq, status)
+
+    def _name_tokens(self, top: dict[int, Logprob]) -> None:
+        for token_id, lp in top.items():
+            lp.decoded_token = self.stop_checker.decode_token(token_id)
+
+    def _fork_samples(self, group: SequenceGroup, parent: Sequence) -> None:
+        """n > 1: the other n - 1 sequences share every block of the prompt's (copy-on-write). If the
+        parent's blocks were taken while its sample was in flight, they are recomputed from its tokens."""
+        shares = parent.status is SequenceStatus.RUNNING
+        for child in group.seqs[1:]:
+            if shares:
+                self.block_manager.fork(parent, child)
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+            else:
+                self.add(child)
+        group.forked = True
+
+    def _report_beam(self, group: SequenceGroup, seq: Sequence, sampled: SampledTokens, i: int) -> None:
+        """A beam's candidates for its round (its 2 x beam_width most likely next tokens). It stays idle
+        until every live beam of the request has reported; then the round is ranked and the survivors fork."""
+        state = group.beam
+        if seq.seq_id in state.reports:  # recomputed after its blocks were taken back: its first report stands
+            return
+        _, top = sampled.logprobs[i]
+        self._name_tokens(top)
+        state.reports[seq.seq_id] = top
+        self.num_generated_tokens += 1
+        if len(state.reports) < len(state.live):
+            return
+        survivors = beam_search.rank_round(state, self.stop_checker.eos_token_ids, self.stop_checker.max_model_len)
+        children = []
+        for parent, token, top in survivors:
+            child = parent.fork(len(children), parent.token_ids + [token])
+            child.logprobs.append(top)
+            child.cumulative_logprob += top[token].logprob
+            if parent.status is SequenceStatus.RUNNING:  # share the parent's blocks (K/V of its tokens)
+                self.block_manager.fork(parent, child)
+                self.running.append(child)
+            else:  # its blocks were taken back: recomputed from its tokens (the prefix cache holds most)
+                child.num_computed_tokens = 0
+                self.add(child)
+            children.append(child)
+        for parent in state.live:  # the children hold their own references now: drop the parents'
+            self.finish(parent, SequenceStatus.FINISHED_STOPPED)
+        state.live, state.reports = children, {}
+        group.seqs = children or group.seqs
+
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """The sequence is done (or aborted): it leaves its queue and its blocks are freed now,
-        unless it is a beam waiting to be forked."""
+        """The sequence is done (or aborted): it leaves its queue and its blocks are freed now."""
         seq.status = status
-        for queue in (self.running, self.waiting, self.swapped, self.paused):
+        for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
-        if seq.keep_blocks and status is not SequenceStatus.FINISHED_ABORTED and self.block_manager.has_blocks(seq):
-            self.paused.append(seq)
-        else:
-            self.block_manager.free(seq)
-
-    def release(self, seq: Sequence) -> None:
-        """Beam search is done with a paused beam: free its blocks."""
-        if seq in self.paused:
-            self.paused.remove(seq)
+                break
         self.block_manager.free(seq)
+
+    # --- read-only views --------------------------------------------------------------------------
+    def num_requests(self) -> dict[str, int]:
+        """Requests by state: running (holding blocks), waiting, swapped (a request counts once, where its
+        first sequence in that order is)."""
+        seen: set[str] = set()
+        counts = {}
+        for name, queue in (("running", self.running), ("swapped", self.swapped), ("waiting", self.waiting)):
+            ids = {seq.request_id for seq in queue} - seen
+            counts[name] = len(ids)
+            seen |= ids
+        return counts

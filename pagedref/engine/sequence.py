@@ -1,29 +1,44 @@
 """A request and its sequences as the engine sees them, and the outputs handed back (vLLM's shapes).
 
 One idea: a sequence is a list of token ids plus one number, `num_computed_tokens`, the tokens
-whose K/V are already in the cache. Everything the scheduler decides follows from it: a sequence
-with `num_tokens - num_computed_tokens` > 1 still has prompt to prefill (a chunk of it may be
-scheduled); with exactly 1 it decodes (its last sampled token is the step's input); it samples a
-new token in the step that brings `num_computed_tokens` up to `num_tokens`. Preemption by
-recompute just sets `num_computed_tokens = 0`: the prompt *and* the generated tokens are prefilled
-again later, and the sequence carries on as if nothing happened.
+whose K/V are in the cache or being computed by a step already scheduled. Everything the scheduler
+decides follows from it: a sequence with more than one token to compute still has prompt to
+prefill (a chunk of it may be scheduled); with exactly 1 it decodes (its last sampled token is the
+step's input); it samples a new token in the step that brings `num_computed_tokens` up to its
+tokens. Preemption by recompute just sets `num_computed_tokens = 0`: the prompt *and* the generated
+tokens are prefilled again later, and the sequence carries on as if nothing happened.
 
-Invariant: 0 <= num_computed_tokens <= num_tokens, and a sequence that holds blocks in the device
-pool holds exactly the slots of its first num_computed_tokens tokens (plus, during a step, the slots
-of the tokens scheduled in it).
+A token a scheduled step will sample is counted at once as a *placeholder* (`num_placeholders`, vLLM
+v1's output placeholders) until `Scheduler.update` appends the real one: so the next step can be
+scheduled before it is known (async scheduling; the runner then reads it on the device). In the
+synchronous loop every placeholder is resolved before the next `schedule()`. A sequence with nothing
+to compute (0 tokens) is *idle*: its next token waits on a decision that is not its own (beam search
+ranks the round's candidates) or is still in flight.
+
+Only the Scheduler (and the Sequence's own methods) write this state: `schedule()` and `update()`.
+
+Invariant: 0 <= num_computed_tokens <= num_tokens + num_placeholders, and a sequence that holds
+blocks in the device pool holds exactly the slots of its first num_computed_tokens tokens.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 import torch
 
-if TYPE_CHECKING:
-    from pagedref.engine.sampling import SamplingParams
+from pagedref.engine.sampling_params import BeamSearchParams, SamplingParams
+
+_seq_ids = itertools.count()
+
+
+def next_seq_id() -> int:
+    """A sequence id unique in this process (the block manager keys its tables by it)."""
+    return next(_seq_ids)
 
 
 class SequenceStatus(enum.Enum):
@@ -65,18 +80,19 @@ class Sequence:
     request_id: str
     token_ids: list[int]  # prompt, then generated tokens
     num_prompt_tokens: int
-    params: "SamplingParams"
+    params: SamplingParams
     index: int = 0  # which of the request's n samples (or which beam)
     status: SequenceStatus = SequenceStatus.WAITING
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache, or computed by a step already scheduled
+    num_placeholders: int = 0  # tokens sampled by scheduled steps, not yet appended (0 or 1; 2 with async scheduling)
     generator: torch.Generator | None = None  # this sequence's own random stream (seed or engine seed)
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (when logprobs asked)
     logprobs: list[dict[int, Logprob]] | None = None  # per generated token (when logprobs asked)
     logits: list[torch.Tensor] | None = None  # per generated token, [vocab] float32 (LLM(record_logits=True))
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it
     text: str | None = None  # set when a stop string cut the text; otherwise decoded on demand
-    keep_blocks: bool = False  # beam search: a finished beam keeps its blocks until it is forked or dropped
     prompt_text: str | None = None  # the prompt decoded, once (stop strings are checked at every step)
+    group: "SequenceGroup | None" = field(default=None, repr=False)  # its request (None: a sequence on its own)
 
     @property
     def num_tokens(self) -> int:
@@ -92,7 +108,8 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        """Tokens to compute: the known ones not computed yet, and the placeholder of a token in flight."""
+        return len(self.token_ids) + self.num_placeholders - self.num_computed_tokens
 
     @property
     def is_prefill(self) -> bool:
@@ -100,8 +117,25 @@ class Sequence:
         return self.num_uncomputed_tokens > 1
 
     @property
+    def is_idle(self) -> bool:
+        """Nothing to compute: its next token is a decision not its own (beam search) or still in flight."""
+        return self.num_uncomputed_tokens == 0
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def fork(self, index: int, token_ids: list[int] | None = None, generator: torch.Generator | None = None) -> "Sequence":
+        """A new sequence of the same request with the same history (the n samples of a prompt, a beam's
+        extension): tokens (token_ids, or a copy of this one's), computed count, logprobs and recorded
+        logits. Its blocks are the block manager's business (`BlockManager.fork`)."""
+        child = Sequence(next_seq_id(), self.request_id, list(self.token_ids if token_ids is None else token_ids),
+                         self.num_prompt_tokens, self.params, index, self.status, self.num_computed_tokens,
+                         generator=generator, cumulative_logprob=self.cumulative_logprob,
+                         logprobs=None if self.logprobs is None else list(self.logprobs),
+                         logits=None if self.logits is None else list(self.logits), prompt_text=self.prompt_text,
+                         group=self.group)
+        return child
 
 
 @dataclass
@@ -121,16 +155,23 @@ class SequenceGroup:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: "SamplingParams"
-    seqs: list[Sequence] = field(default_factory=list)
+    params: SamplingParams | BeamSearchParams
+    seqs: list[Sequence] = field(default_factory=list)  # the n samples (made at once; forked after the prefill), or the live beams
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
-    forked: bool = False  # n > 1: the n sequences exist (forked after the prompt's prefill)
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    forked: bool = False  # n > 1: the prompt's prefill has sampled, and the n sequences are forked off it
+    beam: Any = None  # beam search's state (`pagedref.engine.beam_search.BeamState`); None: sampling
+
+    @property
+    def n(self) -> int:
+        return self.params.n if isinstance(self.params, SamplingParams) else 1
 
     @property
     def is_finished(self) -> bool:
-        """All n sequences exist (n > 1: forked after the prefill) and all are finished."""
-        return (self.params.n == 1 or self.forked) and all(s.is_finished for s in self.seqs)
+        """Beam search: its last round is ranked. Otherwise all n sequences (forked after the prefill) are finished."""
+        if self.beam is not None:
+            return self.beam.done
+        return (self.n == 1 or self.forked) and all(s.is_finished for s in self.seqs)
 
 
 @dataclass

@@ -5,6 +5,9 @@ says where each one really is in the pool. Token at position p lives in logical 
 offset p % block_size, so its physical *slot* is block_ids[p // block_size] * block_size + offset.
 A new block is taken only when the last one is full: at most block_size - 1 slots are ever wasted.
 
+This module is the one place the slot formula lives: `slot_range` (and `BlockTable.slot`); the block
+manager hands the slots it returns to the scheduler, which passes them to the model runner.
+
 Invariant: len(block_ids) == ceil(num_tokens / block_size); reading the pool through the block table
 gives back exactly the K/V that were written, in logical order, whatever the physical placement —
 so paged attention equals the oracle bit for bit (it gathers the same rows and calls it).
@@ -31,6 +34,18 @@ class FreedSequenceError(ValueError):
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def slot_range(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """The slots of positions start..end-1 (block_ids[p // block_size] * block_size + p % block_size),
+    one range per block touched: a chunk of 256 tokens is 16 ranges, not 256 divisions."""
+    if end - start == 1:  # a decode, most calls of most steps: one slot, no range to build
+        return [block_ids[start // block_size] * block_size + start % block_size]
+    slots: list[int] = []
+    for b in range(start // block_size, cdiv(end, block_size)):
+        base = block_ids[b] * block_size - b * block_size  # slot of position p in block b = base + p
+        slots.extend(range(base + max(start, b * block_size), base + min(end, (b + 1) * block_size)))
+    return slots
 
 
 @dataclass
@@ -84,10 +99,7 @@ class BlockTable:
             self.block_ids.extend(self.allocator.allocate() for _ in range(need))
         start = self.num_tokens
         self.num_tokens += num_new_tokens
-        bs, ids = self.allocator.block_size, self.block_ids  # the slot formula of `slot`, without its per-token check
-        if num_new_tokens == 1:  # a decode: one slot, no range to build (most calls of most steps)
-            return [ids[start // bs] * bs + start % bs]
-        return [ids[p // bs] * bs + p % bs for p in range(start, self.num_tokens)]
+        return slot_range(self.block_ids, start, self.num_tokens, self.allocator.block_size) if num_new_tokens else []
 
     def free(self) -> None:
         """Return every block (one reference each). Last blocks first: under prefix caching the free

@@ -11,6 +11,10 @@ One idea: a block that several sequences need is stored once and counted by refe
   v1 moved to this design because it shares across requests and needs no copying: the only mutable
   block (the partial last one) is never shared.
 
+A sequence's newest token may be appended before it is known (`None`: async scheduling appends the
+slot of a token its step is still sampling); a block holding an unknown token is registered in the
+prefix cache once `set_token` names it.
+
 Invariants: every block's ref count == the number of block-table references to it; a block is free
 exactly when its count is 0; a hash entry always points at a block holding exactly the hashed tokens;
 when every sequence is freed, every block is free (nothing leaks).
@@ -70,6 +74,20 @@ class PrefixCachingAllocator(BlockAllocator):
 
 
 @dataclass
+class PrefixHit:
+    """A new sequence's cached prefix, found by `KVCacheManager.lookup`: valid until the pool's next
+    allocation (which may evict one of its blocks), so one admission looks its prompt up once."""
+
+    blocks: list[int]  # physical blocks of its first full blocks, in order
+    hashes: list[int]  # their chained hashes
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+
+@dataclass
 class SequenceBlocks:
     """One sequence's blocks and the tokens whose slots they hold."""
 
@@ -108,28 +126,29 @@ class KVCacheManager:
     def num_tokens(self, seq_id: int) -> int:
         return self._get(seq_id).table.num_tokens
 
-    def _lookup(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+    def lookup(self, token_ids: Sequence[int]) -> PrefixHit:
         """Cached blocks for the longest run of full prompt blocks, stopping before the last token:
         that token must still be computed, to get the logits that sample the first new token."""
-        blocks, hashes, parent = [], [], None
+        hit, parent = PrefixHit([], [], self.block_size), None
         if not self.enable_prefix_caching:
-            return blocks, hashes
+            return hit
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
             parent = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs])
             block_id = self.allocator.cached.get(parent)
             if block_id is None:
                 break
-            blocks.append(block_id)
-            hashes.append(parent)
-        return blocks, hashes
+            hit.blocks.append(block_id)
+            hit.hashes.append(parent)
+        return hit
 
     def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
         """How many of a new prompt's tokens are already in the cache (a multiple of block_size)."""
-        return len(self._lookup(token_ids)[0]) * self.block_size
+        return self.lookup(token_ids).num_tokens
 
-    def can_allocate(self, token_ids: Sequence[int], num_new_tokens: int) -> bool:
-        hits, _ = self._lookup(token_ids)
+    def can_allocate(self, token_ids: Sequence[int], num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Room for a new sequence's cached prefix and num_new_tokens more? (hit: its lookup, if made already.)"""
+        hits = (hit or self.lookup(token_ids)).blocks
         need = cdiv(len(hits) * self.block_size + num_new_tokens, self.block_size) - len(hits)
         free_hits = sum(1 for b in hits if self.allocator.is_free(b))  # taking these uses free blocks too
         return need + free_hits <= self.allocator.num_free
@@ -143,15 +162,18 @@ class KVCacheManager:
         return self.blocks_needed(seq_id, num_new_tokens) <= self.allocator.num_free
 
     # --- operations -----------------------------------------------------------------------------
-    def allocate(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int = 0) -> tuple[int, list[int]]:
+    def allocate(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int = 0,
+                 hit: PrefixHit | None = None) -> tuple[int, list[int]]:
         """Admit a sequence: reuse its cached prefix blocks, then give slots to its next num_new_tokens
-        prompt tokens. All or nothing. Returns (num_cached_tokens, slot mapping of the new tokens)."""
+        prompt tokens. All or nothing. Returns (num_cached_tokens, slot mapping of the new tokens).
+        hit: the sequence's `lookup`, if made already since the pool's last allocation."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} is already allocated")
         self._check_len(len(token_ids), 0)  # before any block is taken: all or nothing
-        if not self.can_allocate(token_ids, num_new_tokens):
+        hit = hit or self.lookup(token_ids)
+        if not self.can_allocate(token_ids, num_new_tokens, hit):
             raise NoFreeBlocksError(f"not enough free blocks to admit sequence {seq_id}")
-        hits, hashes = self._lookup(token_ids)
+        hits = hit.blocks
         if self.enable_prefix_caching:
             self.prefix_queries += (len(token_ids) - 1) // self.block_size
             self.prefix_hits += len(hits)
@@ -159,7 +181,7 @@ class KVCacheManager:
             self.allocator.acquire(block_id)
         num_cached = len(hits) * self.block_size
         table = BlockTable(self.allocator, self.max_model_len, list(hits), num_cached)
-        self.seqs[seq_id] = SequenceBlocks(table, list(token_ids[:num_cached]), hashes)
+        self.seqs[seq_id] = SequenceBlocks(table, list(token_ids[:num_cached]), list(hit.hashes))
         slots = self.append_slots(seq_id, token_ids[num_cached:num_cached + num_new_tokens])[0]
         return num_cached, slots
 
@@ -173,9 +195,10 @@ class KVCacheManager:
         # (ref_counts read directly: the table's own block ids are valid, no need to check them per step)
         return t.num_tokens % self.block_size != 0 and self.allocator.ref_counts[t.block_ids[-1]] > 1
 
-    def append_slots(self, seq_id: int, token_ids: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    def append_slots(self, seq_id: int, token_ids: Sequence[int | None]) -> tuple[list[int], list[tuple[int, int]]]:
         """Give slots to new tokens of a sequence. Returns (slot mapping, copies), where copies are the
-        (src, dst) block pairs the KV cache must copy *before* this step writes: copy-on-write."""
+        (src, dst) block pairs the KV cache must copy *before* this step writes: copy-on-write.
+        A token may be None, not known yet (see `set_token`)."""
         sb = self._get(seq_id)
         table, n = sb.table, len(token_ids)
         self._check_len(table.num_tokens, n)  # before the copy-on-write below: all or nothing
@@ -195,12 +218,22 @@ class KVCacheManager:
         self._register_full_blocks(sb)
         return slots, copies
 
+    def set_token(self, seq_id: int, pos: int, token_id: int) -> None:
+        """The token at pos, appended unknown (None), is known now: its block may become findable."""
+        sb = self._get(seq_id)
+        if sb.token_ids[pos] is not None:
+            raise ValueError(f"sequence {seq_id}'s token at position {pos} is known already")
+        sb.token_ids[pos] = token_id
+        self._register_full_blocks(sb)
+
     def _register_full_blocks(self, sb: SequenceBlocks) -> None:
         bs = self.block_size
         while len(sb.block_hashes) < sb.table.num_tokens // bs:
             i = len(sb.block_hashes)
             parent = sb.block_hashes[-1] if sb.block_hashes else None
             tokens = sb.token_ids[i * bs:(i + 1) * bs]
+            if tokens[-1] is None:  # its last token is still being sampled: registered by set_token
+                break
             h = hash_block_tokens(parent, tokens)
             sb.block_hashes.append(h)
             if self.enable_prefix_caching:

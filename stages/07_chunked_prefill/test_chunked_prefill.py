@@ -1,8 +1,10 @@
 """Stage 7 — the token budget: chunked prefill mixed with decodes, one lesson step per test, in order.
 
-Steps 1–5 drive your scheduler by hand (no model; `advance()` plays the model runner). Step 6 builds
-one mixed step's attention metadata with the (given) model runner; step 7 runs the reference engine
-around your scheduler on a real model, at three budgets.
+Steps 1–5 drive your scheduler by hand (no model; `advance()` plays the model runner and hands its
+tokens to your `update`). Step 6 builds one mixed step's attention metadata with the (given) model
+runner from your scheduler's output; step 7 runs the reference engine around your scheduler on a real
+model, at three budgets. Step 8 is vLLM v0's policy; step 9 schedules a step before the previous
+one's tokens are known (async scheduling).
 
 Run: pytest stages -m stage7 (add --impl PKG to grade your own package).
 """
@@ -17,7 +19,7 @@ from pagedref import DEFAULT_MODEL, LLM
 from pagedref.course import lesson
 from pagedref.engine.block_manager import BlockManager
 from pagedref.engine.model_runner import ModelRunner
-from pagedref.engine.sampling import SamplingParams
+from pagedref.engine.sampling import SamplerOutput, SamplingParams
 from pagedref.engine.sequence import Sequence, SequenceStatus
 
 # Your scheduler: stage 6 built it, this stage adds the token budget. The rest is given.
@@ -25,8 +27,8 @@ sched_mod = lesson("pagedref.engine.scheduler")
 NEW_TOKEN = 7
 
 
-def make_seq(seq_id: int, prompt: list[int]) -> Sequence:
-    return Sequence(seq_id, f"r{seq_id}", list(prompt), len(prompt), SamplingParams(temperature=0.0, max_tokens=100))
+def make_seq(seq_id: int, prompt: list[int], max_tokens: int = 100) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", list(prompt), len(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens))
 
 
 def make_scheduler(budget: int, chunked: bool = True, num_blocks: int = 32, block_size: int = 4, caching: bool = False):
@@ -34,19 +36,15 @@ def make_scheduler(budget: int, chunked: bool = True, num_blocks: int = 32, bloc
     return sched_mod.Scheduler(sched_mod.SchedulerConfig(8, budget, chunked, "recompute"), bm)
 
 
-def advance(out) -> list[int]:
-    """The runner's part: scheduled tokens are computed; a sequence fully computed samples. Returns who sampled."""
-    sampled = []
-    for seq, n in out.scheduled:
-        seq.num_computed_tokens += n
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(NEW_TOKEN)
-            sampled.append(seq.seq_id)
-    return sampled
+def advance(s, out) -> list[int]:
+    """The runner's part (every sequence that samples gets NEW_TOKEN), then your update. Returns who sampled."""
+    sampling = out.sampling_seqs()
+    s.update(out, SamplerOutput([NEW_TOKEN] * len(sampling)))
+    return [seq.seq_id for seq in sampling]
 
 
 def batch(out) -> list[tuple[int, int]]:
-    return [(seq.seq_id, n) for seq, n in out.scheduled]
+    return [(entry.seq.seq_id, entry.num_new_tokens) for entry in out.scheduled]
 
 
 def test_step1_a_long_prompt_is_split_into_chunks_of_the_budget():
@@ -58,7 +56,7 @@ def test_step1_a_long_prompt_is_split_into_chunks_of_the_budget():
         out = s.schedule()
         assert out.num_batched_tokens <= 16, "stage 7: a step never computes more than max_num_batched_tokens tokens"
         chunks.append(batch(out))
-        sampled.append(advance(out))
+        sampled.append(advance(s, out))
     assert chunks == [[(1, 16)], [(1, 16)], [(1, 8)]], "stage 7: 40 prompt tokens in a budget of 16: chunks 16, 16, 8"
     assert sampled == [[], [], [1]], "stage 7: only the chunk that completes the prompt samples a token"
 
@@ -67,12 +65,12 @@ def test_step2_decodes_go_first_and_a_prefill_chunk_gets_what_is_left():
     s = make_scheduler(budget=8)
     a, b = make_seq(1, [1, 2, 3]), make_seq(2, list(range(20)))
     s.add(a)
-    advance(s.schedule())
+    advance(s, s.schedule())
     s.add(b)
     out = s.schedule()
     assert batch(out) == [(1, 1), (2, 7)], \
         "stage 7: a's decode (1 token) first, then 7 of b's 20 prompt tokens: one forward pass mixes both"
-    advance(out)
+    advance(s, out)
     out = s.schedule()
     assert batch(out) == [(1, 1), (2, 7)], "stage 7: a keeps decoding every step while b's prompt streams in"
 
@@ -81,7 +79,7 @@ def test_step3_a_partly_prefilled_prompt_continues_before_new_requests_start():
     s = make_scheduler(budget=8)
     a, b = make_seq(1, list(range(12))), make_seq(2, [5, 6])
     s.add(a)
-    advance(s.schedule())  # a: 8 of 12
+    advance(s, s.schedule())  # a: 8 of 12
     s.add(b)
     out = s.schedule()
     assert batch(out) == [(1, 4), (2, 2)], "stage 7: a's last 4 prompt tokens first, then b fits in what is left"
@@ -91,11 +89,11 @@ def test_step4_without_chunking_a_prompt_runs_whole_or_waits():
     s = make_scheduler(budget=16, chunked=False)
     a, b = make_seq(1, [1, 2, 3]), make_seq(2, list(range(16)))
     s.add(a)
-    advance(s.schedule())
+    advance(s, s.schedule())
     s.add(b)
     out = s.schedule()
     assert batch(out) == [(1, 1)], "stage 7: unchunked: b's 16 tokens do not fit next to a's decode: b waits whole"
-    advance(out)
+    advance(s, out)
     s.finish(a, SequenceStatus.FINISHED_STOPPED)
     assert batch(s.schedule()) == [(2, 16)], "stage 7: with the whole budget free, b's prompt runs in one step"
 
@@ -105,17 +103,17 @@ def test_step5_prefix_cache_hits_skip_tokens_already_computed():
     system = list(range(100, 108))  # two full blocks of 4 shared by both prompts
     a = make_seq(1, system + [1, 2, 3])
     s.add(a)
-    advance(s.schedule())
+    advance(s, s.schedule())
     b = make_seq(2, system + [9])
     s.add(b)
     out = s.schedule()
-    assert b.num_computed_tokens == 8 and batch(out) == [(1, 1), (2, 1)], \
-        "stage 7: b's first 8 tokens are cached: it computes only its last token"
-    advance(out)
+    assert out.scheduled[1].num_computed_tokens == 8 and batch(out) == [(1, 1), (2, 1)], \
+        "stage 7: b's first 8 tokens are cached: it computes only its last token, from position 8"
+    advance(s, out)
     c = make_seq(3, list(system))
     s.add(c)
-    s.schedule()
-    assert c.num_computed_tokens == 4, \
+    out = s.schedule()
+    assert out.scheduled[-1].num_computed_tokens == 4 and batch(out)[-1] == (3, 4), \
         "stage 7: a whole-prompt hit still computes the last block: its last token's logits sample the first new token"
 
 
@@ -123,11 +121,11 @@ def test_step6_one_step_one_metadata_for_decodes_and_chunks_together():
     s = make_scheduler(budget=8)
     a, b = make_seq(1, [1, 2, 3, 4, 5]), make_seq(2, list(range(20)))
     s.add(a)
-    advance(s.schedule())
+    advance(s, s.schedule())
     s.add(b)
     out = s.schedule()  # a decodes its token 5; b prefills tokens 0..6
     config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, head_dim=2)
-    runner = ModelRunner(SimpleNamespace(config=config), None, s.block_manager, 32, 4, "cpu", torch.float32)
+    runner = ModelRunner(SimpleNamespace(config=config), None, 32, 4, "cpu", torch.float32)  # no block manager: out says it all
     step = runner.prepare(out)
     m = step.meta
     assert step.input_ids.tolist() == [NEW_TOKEN] + list(range(7)) and step.positions.tolist() == [5] + list(range(7))
@@ -155,26 +153,42 @@ def test_step7_on_a_real_model_every_budget_gives_the_unchunked_logits_bit_for_b
 
 
 def test_step8_vllm_v0_without_chunking_gives_prompts_steps_of_their_own_and_decodes_wait():
+    try:
+        sched_mod.SchedulerConfig(8, 16, True, "recompute", True)
+    except ValueError as err:
+        assert "prefill_first" in str(err), "stage 7: the error must name prefill_first"
+    else:
+        raise AssertionError("stage 7: chunked prefill schedules decodes first: prefill_first=True with it must raise")
     config = sched_mod.SchedulerConfig(8, 16, False, "recompute", True)  # chunking off, prefill_first on
     s = sched_mod.Scheduler(config, BlockManager(32, 4, max_model_len=64, enable_prefix_caching=False))
     a = make_seq(1, [1, 2, 3])
     s.add(a)
-    advance(s.schedule())
+    advance(s, s.schedule())
     b, c = make_seq(2, list(range(10))), make_seq(3, [4, 5])
     s.add(b)
     s.add(c)
     out = s.schedule()
     assert batch(out) == [(2, 10), (3, 2)], \
         "stage 7: prefill_first (vLLM v0): the waiting prompts take the step whole, and a's decode waits for the next"
-    advance(out)
+    advance(s, out)
     assert batch(s.schedule()) == [(1, 1), (2, 1), (3, 1)], "stage 7: prefill_first: no prompt waiting, so all decode"
 
 
-def test_step9_prefill_first_is_a_policy_of_unchunked_scheduling_only():
-    bm = BlockManager(32, 4, max_model_len=64, enable_prefix_caching=False)
-    try:
-        sched_mod.Scheduler(sched_mod.SchedulerConfig(8, 16, True, "recompute", True), bm)
-    except ValueError as err:
-        assert "prefill_first" in str(err), "stage 7: the error must name prefill_first"
-    else:
-        raise AssertionError("stage 7: chunked prefill schedules decodes first: prefill_first=True with it must raise")
+def test_step9_the_next_step_is_scheduled_before_this_ones_tokens_are_known():
+    s = make_scheduler(budget=16)
+    a, b = make_seq(1, [1, 2, 3]), make_seq(2, [4, 5], max_tokens=1)
+    s.add(a)
+    s.add(b)
+    first = s.schedule()  # both prompts: each samples its first token
+    assert a.num_placeholders == 1 and a.num_uncomputed_tokens == 1 and b.num_placeholders == 0, \
+        "stage 7: schedule() counts the token a step will sample as a placeholder, if it is an ordinary next token " \
+        "(b's first token is its last: max_tokens=1)"
+    second = s.schedule()  # before first's tokens are known (async scheduling: the GPU still runs first)
+    [entry] = second.scheduled
+    assert (entry.seq, entry.num_computed_tokens, entry.prev_sample_index) == (a, 3, 0), \
+        "stage 7: a decodes the token first samples for it (index 0 of first's samples: the runner reads it on the device)"
+    s.update(first, SamplerOutput([NEW_TOKEN, NEW_TOKEN]))
+    assert a.token_ids[-1] == NEW_TOKEN and a.num_placeholders == 1 and b.status.finish_reason == "length", \
+        "stage 7: update resolves first's placeholders in order (second's is still in flight)"
+    s.update(second, SamplerOutput([8]))
+    assert a.output_token_ids == [NEW_TOKEN, 8] and a.num_placeholders == 0

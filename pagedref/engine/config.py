@@ -1,0 +1,239 @@
+"""Engine configuration: `EngineArgs` (every `LLM` keyword, vLLM's names) → one validated `EngineConfig`.
+
+One idea: an engine's settings are checked in one place, once, before anything heavy happens (no
+weights loaded, no process started, no memory taken), and each bad value is refused with an error
+naming it. `EngineArgs.create_engine_config()` resolves what "auto" and None mean (the device, the
+dtype, max_model_len from the checkpoint, the token budget and batch size for the device) and
+returns the configs the engine's parts are built from, grouped as vLLM groups them: the model's
+(`EngineConfig` itself), the KV cache's (`CacheConfig`), the scheduler's (`SchedulerConfig`), the
+parallel layout (`ParallelConfig`) and CUDA graphs (`CompilationConfig`).
+
+Invariant: a config that exists is valid; the same arguments always give the same config on the
+same machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+# vLLM (v1, the LLM class) raises its batch defaults on GPUs with large memory (H100/H200-class, >= 70 GiB):
+# max_num_seqs 1024 and max_num_batched_tokens 16384 instead of 256 and 8192. A big GPU's KV pool holds far
+# more than 256 running sequences of a chat workload (bench serve at the 8B shape on an H200 peaked at 256
+# sequences with 12.5% of the pool used: the cap, not memory, bounded the batch), and a decode step's
+# matmuls read the weights once for every row, so more rows per step is nearly free throughput until the
+# step turns compute-bound. A bigger token budget lets the prompts of those sequences in faster. Proposed
+# here from vLLM's measurements; issue 16 has the lead measure them on the H200 (`bench serve`).
+LARGE_GPU_MEMORY_GIB = 70
+LARGE_GPU_DEFAULTS = dict(max_num_seqs=1024, max_num_batched_tokens=16384)
+GPU_DEFAULTS = dict(max_num_seqs=256, max_num_batched_tokens=8192)
+CPU_DEFAULTS = dict(max_num_seqs=256, max_num_batched_tokens=2048)
+# Decode steps of more sequences than this replay the piecewise graphs instead of one whole-step graph
+# (vLLM's largest default capture size is 512 too): capturing a graph per ladder size up to 1024 would
+# double the start-up capture for batches that the piecewise graphs already serve.
+MAX_DECODE_GRAPH_BATCH = 512
+
+
+def check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" when torch sees a GPU and cupy (the kernels' runtime) works, else "cpu";
+    "cpu" or "cuda[:N]" as given, once checked."""
+    if device == "auto":
+        from pagedref.kernels import gpu_available
+
+        return "cuda" if gpu_available() else "cpu"
+    if not isinstance(device, str) or not (device == "cpu" or device.split(":")[0] == "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but torch sees no CUDA GPU")
+    return device
+
+
+def device_defaults(device: str) -> dict[str, int]:
+    """max_num_seqs and max_num_batched_tokens when not given: vLLM's defaults for the device."""
+    if device == "cpu":
+        return CPU_DEFAULTS
+    memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return LARGE_GPU_DEFAULTS if memory >= LARGE_GPU_MEMORY_GIB * GiB else GPU_DEFAULTS
+
+
+@dataclass
+class SchedulerConfig:
+    """What `Scheduler.schedule()` may put in one step, and how (vLLM's SchedulerConfig)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "swap"
+    prefill_first: bool = False  # vLLM v0's policy without chunking: a step admits prompts or decodes, never both
+    async_scheduling: bool = False  # schedule step N+1 while step N runs (the engine's loop; pagedref.engine.llm)
+
+    def __post_init__(self) -> None:
+        check_positive("max_num_seqs", self.max_num_seqs)
+        check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.prefill_first and self.enable_chunked_prefill:
+            raise ValueError("prefill_first=True is vLLM v0's policy without chunked prefill: pass "
+                             "enable_chunked_prefill=False with it (chunked prefill schedules decodes first)")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV pool: block size, how many blocks (or how to size it), prefix caching, swap space, layout."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from gpu_memory_utilization (CUDA) or cpu_kv_cache_bytes (CPU)
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 256 * MiB
+    swap_space: float = 4.0  # GiB of CPU memory for preemption by swap
+    enable_prefix_caching: bool = True
+    kv_cache: str = "paged"  # or "contiguous" (stage 1's reservations: the serving benchmark's baseline)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """CUDA graphs (`pagedref.engine.cuda_graph`): captured unless enforce_eager, on one CUDA GPU only."""
+
+    enforce_eager: bool = False
+    max_seq_len_to_capture: int = 8192
+    max_capture_size: int = 2048
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine is built from, validated (vLLM's VllmConfig): the model's own settings here."""
+
+    model: str | Path
+    hf_config: Any  # pagedref.models.ModelConfig: the checkpoint's config.json
+    device: str  # "cpu" or "cuda[:N]" ("auto" resolved)
+    dtype: torch.dtype  # "auto" resolved
+    max_model_len: int
+    seed: int
+    max_logprobs: int
+    record_logits: bool
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    compilation: CompilationConfig
+    scheduler_cls: type | None  # None: pagedref's Scheduler / BlockManager (the course grades a learner's with them)
+    block_manager_cls: type | None
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return (not self.compilation.enforce_eager and self.device != "cpu"
+                and self.parallel.tensor_parallel_size == 1)
+
+
+@dataclass
+class EngineArgs:
+    """Every `LLM` keyword, with its default (vLLM's EngineArgs). See `LLM` for what each one means."""
+
+    model: str | Path
+    device: str = "auto"
+    dtype: str | torch.dtype = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    preemption_mode: str = "recompute"
+    kv_cache: str = "paged"
+    swap_space: float = 4.0
+    cpu_kv_cache_bytes: int = 256 * MiB
+    seed: int = 0
+    record_logits: bool = False
+    scheduler_cls: type | None = None
+    block_manager_cls: type | None = None
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    max_seq_len_to_capture: int = 8192
+    max_capture_size: int = 2048
+    prefill_first: bool = False
+    max_logprobs: int = 20
+    async_scheduling: bool | None = None  # None: the default (vLLM's --async-scheduling)
+
+    def create_engine_config(self) -> EngineConfig:
+        """Check every argument (cheap ones first, then those that need the checkpoint's config.json) and
+        resolve the automatic ones. Loads nothing but config.json."""
+        from pagedref.distributed import check_tensor_parallel_size
+        from pagedref.models import ModelConfig, resolve_dtype
+
+        device = resolve_device(self.device)
+        check_positive("block_size", self.block_size)
+        defaults = device_defaults(device)
+        max_num_seqs = defaults["max_num_seqs"] if self.max_num_seqs is None else self.max_num_seqs
+        check_positive("max_num_seqs", max_num_seqs)
+        if self.prefill_first and self.enable_chunked_prefill:
+            raise ValueError("prefill_first=True is vLLM v0's policy without chunked prefill: "
+                             "pass enable_chunked_prefill=False with it")
+        if self.kv_cache not in ("paged", "contiguous"):
+            raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {self.kv_cache!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None:
+            check_positive("num_kv_blocks", self.num_kv_blocks)
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space}")
+        check_positive("max_seq_len_to_capture", self.max_seq_len_to_capture)
+        check_positive("max_capture_size", self.max_capture_size)
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
+
+        hf_config = ModelConfig.from_pretrained(self.model)  # config.json, architecture: before anything heavy
+        dtype = resolve_dtype(("float32" if device == "cpu" else hf_config.dtype) if self.dtype == "auto" else self.dtype)
+        check_tensor_parallel_size(hf_config, self.tensor_parallel_size)
+        tp_size = self.tensor_parallel_size
+        max_model_len = hf_config.max_position_embeddings if self.max_model_len is None else self.max_model_len
+        check_positive("max_model_len", max_model_len)
+        if max_model_len > hf_config.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} is more than the model's max_position_embeddings="
+                             f"{hf_config.max_position_embeddings}")
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = defaults["max_num_batched_tokens"]
+            if not self.enable_chunked_prefill:
+                budget = max(budget, max_model_len)
+        check_positive("max_num_batched_tokens", budget)
+        if not self.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(f"max_num_batched_tokens={budget} < max_model_len={max_model_len}: "
+                             "without chunked prefill a whole prompt must fit in one step")
+        async_scheduling = self.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = False  # (on by default with CUDA once its device run is in: issue 16, part 2)
+        elif async_scheduling and tp_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size=1: the workers would need each step's "
+                             "sampled tokens on their own GPUs (tensor parallelism schedules synchronously)")
+        return EngineConfig(
+            model=self.model, hf_config=hf_config, device=device, dtype=dtype, max_model_len=max_model_len,
+            seed=self.seed, max_logprobs=self.max_logprobs, record_logits=self.record_logits,
+            cache=CacheConfig(self.block_size, self.num_kv_blocks, self.gpu_memory_utilization, self.cpu_kv_cache_bytes,
+                              self.swap_space, self.enable_prefix_caching, self.kv_cache),
+            scheduler=SchedulerConfig(max_num_seqs, budget, self.enable_chunked_prefill, self.preemption_mode,
+                                      self.prefill_first, bool(async_scheduling)),
+            parallel=ParallelConfig(tp_size),
+            compilation=CompilationConfig(self.enforce_eager, self.max_seq_len_to_capture, self.max_capture_size),
+            scheduler_cls=self.scheduler_cls, block_manager_cls=self.block_manager_cls,
+        )
