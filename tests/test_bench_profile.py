@@ -100,8 +100,19 @@ def test_main_writes_the_document_and_prints_both_engines(tiny_dir, tmp_path, ca
     assert [r["kv_cache"] for r in doc["results"]] == ["paged", "contiguous"]
     assert [r["num_seqs"] for r in doc["results"]] == [6, 4]
     lines = capsys.readouterr().out.splitlines()
-    assert lines[2].split() == ["kv_cache", "seqs", "context", "wall", "ms", *PHASES]
-    assert lines[3].split()[:2] == ["paged", "6"] and lines[4].split()[:2] == ["contiguous", "4"]
+    assert lines[2].split() == ["kv_cache", "async", "seqs", "context", "wall", "ms", "gpu", "ms", "idle", "ms", *PHASES]
+    assert lines[3].split()[:3] == ["paged", "off", "6"] and lines[4].split()[:3] == ["contiguous", "off", "4"]
+    assert lines[3].split()[5:7] == ["n/a", "n/a"], "the CPU has no GPU to idle: GPU span and idle are not applicable"
+
+
+def test_async_on_and_off_side_by_side(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert profile.main(["--device", "cpu", "--num-requests", "4", "--prompt-len", "16", "--num-kv-blocks",
+                         str(NUM_KV_BLOCKS), "--steps", "1", "--model-dir", str(tiny_dir.parent), "--systems", "paged",
+                         "--async-scheduling", "both", "--json-out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [(r["kv_cache"], r["async_scheduling"]) for r in doc["results"]] == [("paged", True), ("paged", False)]
+    assert all(r["gpu_idle_ms"] is None and r["gpu_span_ms"] is None for r in doc["results"])
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -118,6 +129,8 @@ def test_bad_flags_name_themselves(argv, message, capsys):
 @pytest.mark.gpu
 def test_on_a_gpu_the_kernels_are_timed_by_class(tiny_dir):
     r = profile.measure(tiny_dir, "paged", 8, 32, "cuda", NUM_KV_BLOCKS, steps=2, warmup=1)
+    assert r.async_scheduling, "on CUDA the engine schedules asynchronously by default"
+    assert r.gpu_span_ms > 0 and r.gpu_idle_ms is not None and r.gpu_span_ms + r.gpu_idle_ms > 0
     assert set(r.kernels_ms) == set(profile.KERNEL_CLASSES)
     assert r.kernels_ms["gemm"] > 0 and r.kernels_ms["attention"] > 0, r.kernels_ms
     assert r.bandwidth("attention") > 0

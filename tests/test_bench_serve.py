@@ -127,10 +127,18 @@ def test_serve_pagedref_eager_is_pagedref_without_graphs(model_dir, capsys):
         assert r["note"].endswith("steps, eager")
 
 
+def test_serve_pagedref_sync_is_pagedref_without_async_scheduling(model_dir, capsys):
+    """`pagedref-sync` runs the same requests with async_scheduling=False (on the CPU both are synchronous
+    by default: the same engine twice); the GPU run compares them."""
+    for r in _side_by_side(model_dir, capsys, "pagedref,pagedref-sync").values():
+        assert r["note"].endswith("steps, eager")
+
+
 def test_the_note_counts_graph_replays():
     stats = {"num_cuda_graph_replays": 5, "num_piecewise_graph_replays": 2}
     assert serve._graph_note(stats) == ", 5 decode + 2 piecewise graph replays"
     assert serve._graph_note({"num_cuda_graph_replays": 0, "num_piecewise_graph_replays": 0}) == ", eager"
+    assert serve._graph_note({**stats, "async_scheduling": True}) == ", 5 decode + 2 piecewise graph replays, async"
 
 
 @pytest.mark.parametrize("args, named", [

@@ -5,7 +5,14 @@ engines get the same requests and the same KV budget. The paged one runs all of 
 contiguous one as many as its max_model_len reservations fit (the rest wait, as in `bench serve`).
 Once every running sequence decodes, it measures one `LLMEngine.step()`:
 
-- wall: the step's wall-clock time, median over steps;
+- wall: the step's wall-clock time, median over steps (with async scheduling, one `step()` call: it
+  schedules and launches one step and updates with the one before, so in a steady batch that is
+  the period of the step loop);
+- GPU idle (CUDA only): over the wall-timed steps, the wall time minus the GPU's span of each step
+  (CUDA events recorded when a step's first and last work are issued: `ModelRunner.step_events`), per
+  step. It is the time the GPU waits for the host between steps, what async scheduling hides; time it
+  waits inside a step (launches issued slower than the GPU runs them) is in the span. On the CPU it
+  is not applicable (None);
 - phases: schedule, prepare, forward, sample, other (as `bench step`; here `forward` includes the
   GPU's work, since the step synchronizes right after the forward);
 - kernels (CUDA only, torch.profiler): GPU time in matrix multiplies, in attention (the paged
@@ -55,6 +62,9 @@ class ProfileResult:
     weight_bytes: int  # the weights a step reads (an untied embedding table is only gathered from)
     kv_bytes: float  # K/V a step reads: every running sequence's context, every layer
     linear_flops: float  # 2 x rows x the weights' parameters
+    async_scheduling: bool | None = None  # the engine's loop: step N+1 scheduled while step N runs
+    gpu_span_ms: float | None = None  # per step, mean: from its first GPU work to its last (CUDA events; None: CPU)
+    gpu_idle_ms: float | None = None  # per step, mean: wall time the GPU had no step to run (None: CPU)
 
     def bandwidth(self, what: str) -> float | None:
         """Bytes per second the step's matmuls (what="gemm", the weights) or attention kernels
@@ -124,10 +134,12 @@ def _gpu_kernels(step, steps: int) -> dict[str, float]:
 
 
 def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, device: str, num_kv_blocks: int,
-            steps: int = 20, warmup: int = 3, seed: int = 0, kernels: bool | None = None) -> ProfileResult:
+            steps: int = 20, warmup: int = 3, seed: int = 0, kernels: bool | None = None,
+            async_scheduling: bool | None = None) -> ProfileResult:
     """Add num_requests requests of prompt_len random tokens, step until every running one decodes,
-    then time `steps` steps three ways (wall, phases, kernels). kernels: profile the GPU kernels
-    (None: on a GPU; on the CPU there are no kernel events, every class comes out 0)."""
+    then time `steps` steps three ways (wall and GPU idle, phases, kernels). kernels: profile the GPU
+    kernels (None: on a GPU; on the CPU there are no kernel events, every class comes out 0).
+    async_scheduling: the engine's (None: its default, on with CUDA)."""
     from pagedref import LLM, SamplingParams
 
     if kv_cache not in ("paged", "contiguous"):
@@ -135,7 +147,7 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
     if num_requests < 1 or prompt_len < 1 or steps < 1:
         raise ValueError(f"num_requests, prompt_len and steps must be at least 1, got {num_requests}, {prompt_len}, {steps}")
     dtype = "bfloat16" if device == "cuda" else "float32"
-    llm = LLM(model=str(model_dir), kv_cache=kv_cache,
+    llm = LLM(model=str(model_dir), kv_cache=kv_cache, async_scheduling=async_scheduling,
               **serve.engine_args(device, dtype, num_kv_blocks, num_requests, None, 0.9))
     engine = llm.llm_engine
     try:
@@ -162,7 +174,7 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
             engine.step(final_only=True)
             return time.perf_counter() - t0
 
-        wall = statistics.median(timed_step() for _ in range(steps))
+        wall, span, idle = _wall_and_idle(engine, timed_step, steps)
         phases = _phases(engine, timed_step, steps)
         kernel_ms = None
         if kernels or (kernels is None and device == "cuda"):  # the bytes below are the kernel steps' own
@@ -174,10 +186,31 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
         kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
         context = statistics.mean(contexts)
         return ProfileResult(kv_cache, num_seqs, context, 1e3 * wall, phases, kernel_ms, weight_bytes,
-                             num_seqs * context * kv_per_token, 2.0 * num_seqs * num_params)
+                             num_seqs * context * kv_per_token, 2.0 * num_seqs * num_params,
+                             engine.async_scheduling, span, idle)
     finally:
         llm.close()
         common.free_device(device)
+
+
+def _wall_and_idle(engine, timed_step, steps: int) -> tuple[float, float | None, float | None]:
+    """(median wall s per step, GPU span ms per step, GPU idle ms per step); the GPU numbers are None
+    on the CPU. The window starts and ends with the device idle, so its wall time is the steps' own."""
+    runner = engine.runner
+    if runner.device.type != "cuda":
+        return statistics.median(timed_step() for _ in range(steps)), None, None
+    torch.cuda.synchronize()
+    runner.step_events = []
+    start = time.perf_counter()
+    try:
+        walls = [timed_step() for _ in range(steps)]
+        torch.cuda.synchronize()
+        window = time.perf_counter() - start
+        events = runner.step_events
+    finally:
+        runner.step_events = None
+    span_ms = sum(a.elapsed_time(b) for a, b in events)  # the steps launched in the window, all done now
+    return statistics.median(walls), span_ms / len(events), (1e3 * window - span_ms) / len(events)
 
 
 def _phases(engine, timed_step, steps: int) -> dict[str, float]:
@@ -205,10 +238,15 @@ def print_report(doc: dict[str, Any]) -> None:
     print(f"profile: {env.get('gpu', env['device'])}, torch {env['torch']}, commit {env.get('commit')}, {env['date']}")
     print(f"{doc['shape']}: {doc['num_requests']} requests of {doc['prompt_len']} tokens, KV budget "
           f"{doc['num_kv_blocks'] * BLOCK_SIZE:,} token slots" + (f"; copy bandwidth {bw / 1e12:.2f} TB/s" if bw else ""))
-    print(f"{'kv_cache':<11}{'seqs':>5}{'context':>8}{'wall ms':>9}" + "".join(f"{p:>10}" for p in PHASES))
+    ms = lambda x: f"{x:>9.2f}" if x is not None else f"{'n/a':>9}"  # noqa: E731  (n/a: the CPU has no GPU to idle)
+    print(f"{'kv_cache':<11}{'async':>6}{'seqs':>5}{'context':>8}{'wall ms':>9}{'gpu ms':>9}{'idle ms':>9}"
+          + "".join(f"{p:>10}" for p in PHASES))
     for r in doc["results"]:
-        print(f"{r['kv_cache']:<11}{r['num_seqs']:>5}{r['mean_context_len']:>8.0f}{r['wall_ms']:>9.2f}"
+        print(f"{r['kv_cache']:<11}{'on' if r.get('async_scheduling') else 'off':>6}{r['num_seqs']:>5}"
+              f"{r['mean_context_len']:>8.0f}{r['wall_ms']:>9.2f}{ms(r.get('gpu_span_ms'))}{ms(r.get('gpu_idle_ms'))}"
               + "".join(f"{r['phases_ms'][p]:>10.2f}" for p in PHASES))
+    print("gpu ms: a step's span on the GPU (CUDA events); idle ms: wall time per step with no step on the GPU; "
+          "phases: measured with a sync after each forward")
     if not all(r["kernels_ms"] for r in doc["results"]):
         return
     print("GPU time per step (ms) and what it reads; bandwidth as a share of the copy bandwidth")
@@ -232,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=160, help="tokens per prompt (bench serve's mean is 147)")
     ap.add_argument("--num-kv-blocks", type=int, default=4096, help="the KV budget in blocks of 16, for both engines")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--async-scheduling", choices=("default", "on", "off", "both"), default="default",
+                    help="the engine's loop: default (on with CUDA), on, off, or both side by side")
+    ap.add_argument("--systems", default="paged,contiguous", help="kv_cache layouts to profile: paged,contiguous")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()))
     ap.add_argument("--json-out", type=Path, help="also write the results document here")
@@ -244,8 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1")
     model_dir = common.random_model_dir(shape, args.model_dir, device, seed=args.seed)
+    modes = {"default": [None], "on": [True], "off": [False], "both": [True, False]}[args.async_scheduling]
+    systems = args.systems.split(",")
+    if not systems or any(kv not in ("paged", "contiguous") for kv in systems):
+        ap.error(f"--systems {args.systems!r}: a comma-separated subset of paged,contiguous")
     results = [measure(model_dir, kv, args.num_requests, args.prompt_len, device, args.num_kv_blocks, args.steps,
-                       seed=args.seed) for kv in ("paged", "contiguous")]
+                       seed=args.seed, async_scheduling=mode) for kv in systems for mode in modes]
     doc = {"benchmark": "profile", "environment": common.environment(device), "shape": shape,
            "num_requests": args.num_requests, "prompt_len": args.prompt_len, "num_kv_blocks": args.num_kv_blocks,
            "copy_bandwidth": copy_bandwidth(torch.device(device)), "results": [asdict(r) for r in results]}

@@ -18,8 +18,9 @@ is measured), and the weights are random in a real model's shape (nothing is dow
   (d) hf-continuous       transformers' own continuous batching / paged cache (`ContinuousBatchingManager`,
                           transformers >= 4.5x) at the same number of KV token slots, where installed
 
-Two more systems on request: `pagedref-eager` (pagedref without CUDA graphs: what they are worth) and
-`pagedref-tpN` (tensor parallel over N GPUs, eager).
+Three more systems on request: `pagedref-eager` (pagedref without CUDA graphs: what they are worth),
+`pagedref-sync` (pagedref without async scheduling: the host's time no longer hidden behind the GPU's)
+and `pagedref-tpN` (tensor parallel over N GPUs, eager, synchronous).
 
 The KV budget is --num-kv-blocks blocks of 16 tokens (default 4096 = 65,536 token slots: 8 GiB at
 the Llama-3.1-8B shape, 2 GiB at Llama-3.2-1B), small enough that memory, not max_num_seqs, bounds
@@ -117,7 +118,8 @@ def engine_args(device: str, dtype: str, num_kv_blocks: int | None, max_num_seqs
 
 def _graph_note(stats: dict[str, Any]) -> str:
     decode, pieces = stats["num_cuda_graph_replays"], stats["num_piecewise_graph_replays"]
-    return f", {decode} decode + {pieces} piecewise graph replays" if decode or pieces else ", eager"
+    note = f", {decode} decode + {pieces} piecewise graph replays" if decode or pieces else ", eager"
+    return note + (", async" if stats.get("async_scheduling") else "")
 
 
 def tp_size(system: str) -> int | None:
@@ -455,8 +457,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
             parser.error(f"--model-shape {s!r}: choose from {', '.join(SHAPES)}")
     systems = args.systems.split(",")
     for s in systems:
-        if s not in SYSTEMS and s != "pagedref-eager" and tp_size(s) is None:
-            parser.error(f"--systems: unknown system {s!r} (choose from {', '.join(SYSTEMS)}, pagedref-eager for "
+        if s not in SYSTEMS and s not in ("pagedref-eager", "pagedref-sync") and tp_size(s) is None:
+            parser.error(f"--systems: unknown system {s!r} (choose from {', '.join(SYSTEMS)}, pagedref-sync for "
+                         "pagedref without async scheduling, pagedref-eager for "
                          "pagedref without CUDA graphs, or pagedref-tpN for pagedref with tensor_parallel_size=N)")
     if args.num_prompts is None:
         args.num_prompts = 100 if args.quick or device == "cpu" else NUM_PROMPTS  # the CPU's tiny shape: a smoke run
@@ -497,6 +500,9 @@ def run_shape(args: argparse.Namespace, shape: str, systems: list[str], device: 
             if system == "pagedref-eager":  # pagedref without CUDA graphs: what the graphs are worth
                 res = run_pagedref(model_dir, reqs, "paged", {**llm_kwargs, "num_kv_blocks": num_kv_blocks or None,
                                                               "enforce_eager": True}, log, system)
+            elif system == "pagedref-sync":  # pagedref scheduling each step after the last one's tokens are back
+                res = run_pagedref(model_dir, reqs, "paged", {**llm_kwargs, "num_kv_blocks": num_kv_blocks or None,
+                                                              "async_scheduling": False}, log, system)
             elif system in ("pagedref", "contiguous"):
                 res = run_pagedref(model_dir, reqs, "paged" if system == "pagedref" else "contiguous",
                                    {**llm_kwargs, "num_kv_blocks": num_kv_blocks or None}, log)

@@ -171,7 +171,7 @@ class EngineArgs:
     max_capture_size: int = 2048
     prefill_first: bool = False
     max_logprobs: int = 20
-    async_scheduling: bool | None = None  # None: the default (vLLM's --async-scheduling)
+    async_scheduling: bool | None = None  # None: on with CUDA and one GPU (vLLM's --async-scheduling)
 
     def create_engine_config(self) -> EngineConfig:
         """Check every argument (cheap ones first, then those that need the checkpoint's config.json) and
@@ -221,8 +221,8 @@ class EngineArgs:
             raise ValueError(f"max_num_batched_tokens={budget} < max_model_len={max_model_len}: "
                              "without chunked prefill a whole prompt must fit in one step")
         async_scheduling = self.async_scheduling
-        if async_scheduling is None:
-            async_scheduling = False  # (on by default with CUDA once its device run is in: issue 16, part 2)
+        if async_scheduling is None:  # vLLM's --async-scheduling: what hides the host's time behind the GPU's
+            async_scheduling = device != "cpu" and tp_size == 1
         elif async_scheduling and tp_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size=1: the workers would need each step's "
                              "sampled tokens on their own GPUs (tensor parallelism schedules synchronously)")

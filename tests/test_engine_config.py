@@ -1,0 +1,55 @@
+"""`EngineArgs` -> `EngineConfig`: every LLM argument checked in one place, and the defaults that depend on
+the device (async scheduling, the batch limits on a large GPU), resolved before anything heavy loads."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import model_path
+from pagedref import LLM
+from pagedref.engine import config as config_mod
+from pagedref.engine.config import EngineArgs, SchedulerConfig
+
+STORIES = model_path("stories260K")
+
+
+def test_every_llm_keyword_is_an_engine_argument_with_the_same_default():
+    llm = {k: p.default for k, p in inspect.signature(LLM.__init__).parameters.items() if k != "self"}
+    args = {k: p.default for k, p in inspect.signature(EngineArgs).parameters.items()}
+    assert list(llm) == list(args), "LLM's keywords and EngineArgs's fields, in the same order"
+    for name, default in llm.items():
+        if name not in ("scheduler_cls", "block_manager_cls"):  # LLM names pagedref's classes, EngineArgs None (the same)
+            assert args[name] == default, name
+
+
+def test_the_cpu_defaults():
+    config = EngineArgs(STORIES, device="cpu").create_engine_config()
+    s = config.scheduler
+    assert (s.max_num_seqs, s.max_num_batched_tokens, s.async_scheduling) == (256, 2048, False)
+    assert (config.device, config.dtype, config.max_model_len) == ("cpu", torch.float32, 512)
+    assert not config.uses_cuda_graphs
+
+
+@pytest.mark.parametrize("memory_gib, want", [(141, (1024, 16384)), (80, (1024, 16384)), (40, (256, 8192))])
+def test_a_large_gpu_gets_vllms_larger_batch_defaults(monkeypatch, memory_gib, want):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=memory_gib << 30))
+    d = config_mod.device_defaults("cuda")
+    assert (d["max_num_seqs"], d["max_num_batched_tokens"]) == want
+
+
+def test_async_scheduling_is_refused_with_tensor_parallelism_by_name():
+    with pytest.raises(ValueError, match="async_scheduling needs tensor_parallel_size=1"):
+        LLM(STORIES, device="cpu", tensor_parallel_size=2, async_scheduling=True)
+
+
+def test_the_scheduler_config_checks_itself():
+    with pytest.raises(ValueError, match="prefill_first"):
+        SchedulerConfig(8, 16, True, "recompute", True)
+    with pytest.raises(ValueError, match="preemption_mode"):
+        SchedulerConfig(preemption_mode="drop")
+    with pytest.raises(ValueError, match="max_num_seqs must be at least 1"):
+        SchedulerConfig(max_num_seqs=0)
