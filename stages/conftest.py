@@ -17,15 +17,11 @@ _STAGE_DIR = re.compile(r"^(\d\d)_")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--impl", default=None, help="package name or path of the implementation to grade")
+    course.pytest_options(parser)  # --impl (tests/conftest.py adds the same option: the deep tests grade it too)
 
 
 def pytest_configure(config):
-    impl = config.getoption("--impl")
-    if impl:
-        course.set_impl(impl)
-    for n in range(0, 10):
-        config.addinivalue_line("markers", f"stage{n}: tests of course stage {n}")
+    course.pytest_setup(config)
 
 
 def _stage_of(item) -> int | None:

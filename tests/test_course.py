@@ -265,3 +265,100 @@ def test_a_learner_package_completed_with_the_reference_passes_every_stage(tmp_p
     failed = [f"{r['nodeid']}: {r['message'][:300]}" for r in results if r["outcome"] == "failed"]
     assert not failed, "\n".join(failed) + "\n" + log
     assert "passed" in log and " 0 passed" not in log, log
+
+
+# --- issue 20: the lessons as a specification -------------------------------------------------------
+SPECIFIED = [course.stage(n) for n in (1, 2, 3, 4)]  # stages 6-7 follow once the engine's step contract lands
+
+
+@pytest.mark.parametrize("stage", SPECIFIED, ids=lambda s: s.marker)
+def test_each_lesson_states_the_interface_its_skeleton_declares(stage):
+    """The README's interface block is generated from the reference (`course interface --write`), from
+    the same docstrings and declarations the skeleton keeps: one text, in both places."""
+    written = course.readme_interface(stage.number)
+    assert written is not None, f"stage {stage.number}'s README has no interface block ({course.INTERFACE_BEGIN})"
+    assert written == course.interface_markdown(stage.number), \
+        f"stage {stage.number}'s interface block is stale: run `python -m pagedref.course interface --write`"
+
+
+def _message_text(node: ast.AST) -> str:
+    """The literal start of a message: a string, an f-string's first part, or a parenthesized concatenation."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+        return node.values[0].value
+    return ""
+
+
+@pytest.mark.parametrize("stage", SPECIFIED, ids=lambda s: s.marker)
+def test_every_check_in_a_stage_names_its_stage_and_rule(stage):
+    """Every assert carries a "stage N: ..." message; every expected error goes through course.raises
+    with one (pytest.raises fails with "DID NOT RAISE", which names no rule)."""
+    bare = []
+    for f in stage.test_files():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Assert) and not _message_text(node.msg).startswith(f"stage {stage.number}: "):
+                bare.append(f"{f.name}:{node.lineno}: assert without a 'stage {stage.number}: ...' message")
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "pytest.raises":
+                bare.append(f"{f.name}:{node.lineno}: pytest.raises (use course.raises with the rule)")
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "raises" and (
+                    len(node.args) < 2 or not _message_text(node.args[1]).startswith(f"stage {stage.number}: ")):
+                bare.append(f"{f.name}:{node.lineno}: raises() without a 'stage {stage.number}: ...' rule")
+    assert not bare, "\n".join(bare)
+
+
+@pytest.mark.parametrize("stage", SPECIFIED, ids=lambda s: s.marker)
+def test_every_function_a_skeleton_asks_for_is_graded(stage):
+    """A learner writes every stub of the stage's modules: each public function, method and property
+    is called by the stage's own tests (a stub no test reaches would be a chore no one checks)."""
+    source = "\n".join(f.read_text() for f in stage.test_files())
+    missing = []
+    for module in stage.modules:
+        for name, kind in _public_api(importlib.import_module(module)).items():
+            leaf = name.split(".")[-1]
+            if kind == "class" or leaf.startswith("__"):
+                continue  # classes are graded through their members, constructors through every test
+            called = rf"\.{leaf}\b" if "." in name else rf"\b{leaf}\("
+            if not re.search(called, source):
+                missing.append(f"{module}.{name}")
+    assert not missing, f"stage {stage.number}'s tests never call: {missing}"
+
+
+def test_init_from_a_stage_writes_the_earlier_stages_as_reference_code(tmp_path):
+    """`init --from-stage N`: the modules of the stages before N are the reference's code (imports pointing
+    at the learner's package), the rest are skeletons; past the last stage, a copy of the whole reference."""
+    dest = tmp_path / "mine"
+    assert course.main(["init", str(dest), "--from-stage", "3"]) == 0
+    for module, stubbed in (("memory/contiguous.py", False), ("memory/block_allocator.py", False),
+                            ("memory/block_table.py", True), ("memory/sharing.py", True)):
+        text = (dest / module).read_text()
+        assert ("NotImplementedError" in text) == stubbed, module
+        assert "from pagedref.memory" not in text.replace("from pagedref.memory.block_table import", ""), module
+    assert "from mine.memory.block_table import MaxModelLenError" in (dest / "memory/contiguous.py").read_text()
+    with pytest.raises(ValueError, match="from-stage"):
+        course.init(tmp_path / "other", from_stage=0)
+    copy = tmp_path / "copy"
+    course.init(copy, from_stage=len(course.STAGES) + 1)
+    assert not [p for p in copy.rglob("*.py") if "NotImplementedError(\"stage" in p.read_text()], \
+        "past the last stage nothing is stubbed"
+
+
+def test_init_from_stage_6_passes_stages_1_to_5_at_once(tmp_path):
+    pkg = tmp_path / "from6"
+    course.init(pkg, from_stage=6)
+    failures = course.grade(pkg, [1, 2, 3, 4, 5], tmp_path)
+    assert not failures, "stages 1-5 fail on a package started at stage 6:\n" + "\n".join(
+        f"{f['nodeid']}: {f['message'][:300]}" for f in failures)
+
+
+def test_course_raises_states_the_rule():
+    with course.raises(KeyError, "stage 0: a rule", match="x"):
+        raise KeyError("x")
+    for body, why in ((lambda: None, "nothing was raised"), (lambda: {}["y"], "got KeyError"),
+                      (lambda: (_ for _ in ()).throw(ValueError("other")), "does not contain")):
+        with pytest.raises(AssertionError, match=rf"^stage 0: the rule \(.*{why}"):
+            with course.raises((ValueError, IndexError) if "contain" in why else IndexError, "stage 0: the rule", match="x"):
+                body()
+    with pytest.raises(NotImplementedError):  # a skeleton's own message passes through
+        with course.raises(Exception, "stage 0: the rule"):
+            raise NotImplementedError("stage 0: implement f")

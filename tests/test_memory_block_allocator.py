@@ -3,7 +3,10 @@
 The model is a dict of reference counts and a list for the free queue. After every random allocate /
 incref / free / take, and every misuse, the allocator must agree with it exactly: the same block
 handed out (LRU order), the same counts, the same typed errors, free + used == total, and a block is
-free exactly when its count is 0.
+free exactly when its count is 0. tests/test_memory_sharing.py runs the same machine over stage 4's
+PrefixCachingAllocator, which must keep the contract.
+
+Under `--impl PKG` it checks the learner's package (stage 2).
 """
 
 from __future__ import annotations
@@ -13,17 +16,20 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedref.memory.block_allocator import (BlockAllocator, DoubleFreeError, InvalidBlockError,
-                                             NoFreeBlocksError)
-from pagedref.memory.sharing import PrefixCachingAllocator
+from pagedref.course import lesson
+
+ba = lesson("pagedref.memory.block_allocator")
+pytestmark = pytest.mark.stage2
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(1, 12), block_size=st.sampled_from([1, 2, 3, 16]),
-                prefix_caching=st.booleans())
-    def setup(self, num_blocks, block_size, prefix_caching):
-        cls = PrefixCachingAllocator if prefix_caching else BlockAllocator  # the subclass must keep the contract
-        self.a = cls(num_blocks, block_size)
+    @staticmethod
+    def make(num_blocks: int, block_size: int):
+        return ba.BlockAllocator(num_blocks, block_size)
+
+    @initialize(num_blocks=st.integers(1, 12), block_size=st.sampled_from([1, 2, 3, 16]))
+    def setup(self, num_blocks, block_size):
+        self.a = self.make(num_blocks, block_size)
         self.n = num_blocks
         self.refs = [0] * num_blocks  # the model
         self.queue = list(range(num_blocks))  # free blocks, longest-free first
@@ -34,7 +40,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule()
     def allocate(self):
         if not self.queue:
-            with pytest.raises(NoFreeBlocksError):
+            with pytest.raises(ba.NoFreeBlocksError):
                 self.a.allocate()
             return
         b = self.a.allocate()
@@ -71,15 +77,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         before = (list(self.a.ref_counts), self.a.num_free)
         if not 0 <= b < self.n:
             for op in (self.a.free, self.a.incref, self.a.take):
-                with pytest.raises(InvalidBlockError):
+                with pytest.raises(ba.InvalidBlockError):
                     op(b)
         elif self.refs[b] == 0:
-            with pytest.raises(DoubleFreeError):
+            with pytest.raises(ba.DoubleFreeError):
                 self.a.free(b)
-            with pytest.raises(InvalidBlockError):
+            with pytest.raises(ba.InvalidBlockError):
                 self.a.incref(b)
         else:
-            with pytest.raises(InvalidBlockError):
+            with pytest.raises(ba.InvalidBlockError):
                 self.a.take(b)
         assert (list(self.a.ref_counts), self.a.num_free) == before, "a refused operation changed the allocator"
 
@@ -92,6 +98,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         for b in range(self.n):
             assert a.ref_count(b) == self.refs[b], f"block {b}: ref count {a.ref_count(b)}, model {self.refs[b]}"
             assert a.is_free(b) == (self.refs[b] == 0), f"block {b}: free exactly when its count is 0"
+        assert list(a.free_list) == self.queue, "free_list holds the free blocks, longest-free first"
+        assert list(a.ref_counts) == self.refs, "ref_counts[b] is block b's number of holders"
 
 
 AllocatorMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=50, deadline=None)
@@ -99,7 +107,7 @@ TestBlockAllocator = AllocatorMachine.TestCase
 
 
 def test_the_free_list_order_is_the_lru_order_across_a_full_cycle():
-    a = BlockAllocator(5, 4)
+    a = ba.BlockAllocator(5, 4)
     blocks = [a.allocate() for _ in range(5)]
     for b in (blocks[4], blocks[1], blocks[3]):
         a.free(b)
@@ -107,6 +115,6 @@ def test_the_free_list_order_is_the_lru_order_across_a_full_cycle():
 
 
 def test_a_non_integer_block_id_is_refused_not_misread():
-    a = BlockAllocator(4, 4)
-    with pytest.raises(InvalidBlockError, match="outside"):
+    a = ba.BlockAllocator(4, 4)
+    with pytest.raises(ba.InvalidBlockError):
         a.free(1.0)

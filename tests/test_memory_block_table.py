@@ -1,6 +1,8 @@
 """Deeper checks of stage 3: paged attention equals the oracle bit for bit, whatever the block size,
 dtype, physical placement, number of sequences and step schedule (prefill chunks and decodes), and
 block tables keep their invariant through random growth, exhaustion and frees (Hypothesis).
+
+Under `--impl PKG` it checks the learner's package (stage 3, over the learner's stage 2 allocator).
 """
 
 from __future__ import annotations
@@ -12,8 +14,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedref.attention import attention
-from pagedref.memory.block_allocator import BlockAllocator, NoFreeBlocksError
-from pagedref.memory.block_table import BlockTable, MaxModelLenError, PagedKVCache, cdiv, paged_attention
+from pagedref.course import lesson
+
+ba = lesson("pagedref.memory.block_allocator")
+bt = lesson("pagedref.memory.block_table")
+pytestmark = pytest.mark.stage3
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 DTYPES = [np.float16, np.float32, np.float64]
 
@@ -30,11 +39,11 @@ def test_paged_attention_is_bit_identical_to_the_oracle(block_size, dtype, heads
     rng = np.random.default_rng(seed)
     need = {s: sum(n for t, n in steps if t == s) for s in range(3)}
     num_blocks = sum(cdiv(n, block_size) for n in need.values()) + spare_blocks
-    alloc = BlockAllocator(num_blocks, block_size)
+    alloc = ba.BlockAllocator(num_blocks, block_size)
     for b in rng.permutation([alloc.allocate() for _ in range(num_blocks)]):
         alloc.free(int(b))  # the free list now hands blocks out in a random order
-    cache = PagedKVCache(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
-    tables = [BlockTable(alloc) for _ in range(3)]
+    cache = bt.PagedKVCache(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    tables = [bt.BlockTable(alloc) for _ in range(3)]
     ks = [np.empty((0, num_kv_heads, head_dim), dtype) for _ in range(3)]
     vs = [np.empty((0, num_kv_heads, head_dim), dtype) for _ in range(3)]
     for s, n in steps:
@@ -43,7 +52,7 @@ def test_paged_attention_is_bit_identical_to_the_oracle(block_size, dtype, heads
         q = rng.standard_normal((n, num_heads, head_dim)).astype(dtype)
         cache.write(tables[s].append_slots(n), k, v)
         ks[s], vs[s] = np.concatenate([ks[s], k]), np.concatenate([vs[s], v])
-        out = paged_attention(q, cache, tables[s].block_ids, tables[s].num_tokens, scale=0.7)
+        out = bt.paged_attention(q, cache, tables[s].block_ids, tables[s].num_tokens, scale=0.7)
         assert out.tobytes() == attention(q, ks[s], vs[s], scale=0.7).tobytes()
 
 
@@ -54,15 +63,15 @@ class BlockTableMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(1, 16), block_size=st.sampled_from([1, 2, 3, 4, 8]),
                 max_model_len=st.sampled_from([None, 12, 40]))
     def setup(self, num_blocks, block_size, max_model_len):
-        self.alloc = BlockAllocator(num_blocks, block_size)
-        self.cache = PagedKVCache(num_blocks, block_size, 1, 1, dtype=np.float64)
+        self.alloc = ba.BlockAllocator(num_blocks, block_size)
+        self.cache = bt.PagedKVCache(num_blocks, block_size, 1, 1, dtype=np.float64)
         self.max_model_len = max_model_len
-        self.tables: dict[int, BlockTable] = {}
+        self.tables: dict[int, bt.BlockTable] = {}
         self.next_id = 0
 
     @rule()
     def new_sequence(self):
-        self.tables[self.next_id] = BlockTable(self.alloc, self.max_model_len)
+        self.tables[self.next_id] = bt.BlockTable(self.alloc, self.max_model_len)
         self.next_id += 1
 
     @precondition(lambda self: self.tables)
@@ -72,10 +81,10 @@ class BlockTableMachine(RuleBasedStateMachine):
         t = self.tables[sid]
         before = (list(t.block_ids), t.num_tokens, self.alloc.num_free)
         if self.max_model_len is not None and t.num_tokens + n > self.max_model_len:
-            with pytest.raises(MaxModelLenError):
+            with pytest.raises(bt.MaxModelLenError):
                 t.append_slots(n)
-        elif t.num_new_blocks(n) > self.alloc.num_free:
-            with pytest.raises(NoFreeBlocksError):
+        elif cdiv(t.num_tokens + n, self.alloc.block_size) - len(t.block_ids) > self.alloc.num_free:
+            with pytest.raises(ba.NoFreeBlocksError):
                 t.append_slots(n)
         else:
             start = t.num_tokens
@@ -89,7 +98,10 @@ class BlockTableMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 10**6))
     def free(self, i):
         sid = sorted(self.tables)[i % len(self.tables)]
+        ids = list(self.tables[sid].block_ids)
         self.tables.pop(sid).free()
+        assert list(self.alloc.free_list)[len(self.alloc.free_list) - len(ids):] == ids[::-1], \
+            "free() must return the blocks last block first (they join the free list's tail in that order)"
 
     @invariant()
     def tables_and_pool_agree(self):

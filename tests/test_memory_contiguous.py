@@ -4,6 +4,8 @@ After every random admit / append / release, the arena must agree with a plain m
 the same start, a request is refused exactly when no hole fits, reservations never overlap, the holes
 and reservations tile the arena, the accounting adds up, and every request reads back exactly the K/V
 it appended.
+
+Under `--impl PKG` it checks the learner's package (stage 1, with stage 3's MaxModelLenError).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedref.attention import attention
-from pagedref.memory.block_table import MaxModelLenError
-from pagedref.memory.contiguous import ContiguousKVCache, NoContiguousSpaceError
+from pagedref.course import lesson
+
+contig = lesson("pagedref.memory.contiguous")
+pytestmark = pytest.mark.stage1
 
 
 def token_kv(rid: int, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -29,7 +33,7 @@ def token_kv(rid: int, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
 class ContiguousMachine(RuleBasedStateMachine):
     @initialize(num_slots=st.integers(1, 80), max_model_len=st.integers(1, 30))
     def setup(self, num_slots, max_model_len):
-        self.c = ContiguousKVCache(num_slots, max_model_len, num_kv_heads=1, head_dim=2, dtype=np.float64)
+        self.c = contig.ContiguousKVCache(num_slots, max_model_len, num_kv_heads=1, head_dim=2, dtype=np.float64)
         self.model: dict[int, list[int]] = {}  # rid -> [start, capacity, num_tokens]
         self.final: dict[int, int] = {}  # rid -> final length (an observer's knowledge)
         self.next_id = 0
@@ -53,12 +57,12 @@ class ContiguousMachine(RuleBasedStateMachine):
         self.next_id += 1
         want = self.c.max_model_len if size is None else size
         if not 1 <= want <= self.c.max_model_len:
-            with pytest.raises(MaxModelLenError):
+            with pytest.raises(contig.MaxModelLenError):
                 self.c.admit(rid, size)
             return
         fit = next((s for s, length in self.model_holes() if length >= want), None)
         if fit is None:
-            with pytest.raises(NoContiguousSpaceError):
+            with pytest.raises(contig.NoContiguousSpaceError):
                 self.c.admit(rid, size)
             assert rid not in self.c.reservations
             return
@@ -73,7 +77,7 @@ class ContiguousMachine(RuleBasedStateMachine):
         start, cap, tokens = self.model[rid]
         k, v = token_kv(rid, tokens, n)
         if tokens + n > cap:
-            with pytest.raises(MaxModelLenError):
+            with pytest.raises(contig.MaxModelLenError):
                 self.c.append(rid, k, v)
             return
         slots = self.c.append(rid, k, v) if with_kv else self.c.append(rid, num_tokens=n)
@@ -130,7 +134,7 @@ TestContiguousKVCache = ContiguousMachine.TestCase
 
 
 def test_negative_token_counts_are_refused():
-    c = ContiguousKVCache(16, 8)
+    c = contig.ContiguousKVCache(16, 8)
     c.admit(0)
     with pytest.raises(ValueError, match="num_tokens"):
         c.append(0, num_tokens=-1)

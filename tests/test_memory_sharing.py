@@ -11,7 +11,12 @@ the manager's own bookkeeping:
 - every prefix-cache entry points at a block whose pool content is exactly the hashed tokens, at the
   hashed positions;
 - every sequence (forked, prefix-hit or plain) reads exactly its own logical tokens;
-and, at the end of each run, that freeing everything leaks nothing.
+and, at the end of each run, that freeing everything leaks nothing. Whether an allocate or an append
+fits the pool is worked out from the block tables, not asked of the manager, whose can_allocate,
+can_append and blocks_needed must then agree.
+
+Under `--impl PKG` it checks the learner's package (stage 4, over the learner's stages 2 and 3); the
+pool is the reference's PagedKVCache, a harness here, not a subject.
 """
 
 from __future__ import annotations
@@ -22,9 +27,32 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedref.memory.block_allocator import NoFreeBlocksError
-from pagedref.memory.block_table import FreedSequenceError, MaxModelLenError, PagedKVCache, cdiv
-from pagedref.memory.sharing import KVCacheManager, hash_block_tokens
+from pagedref.course import lesson
+from pagedref.memory.block_table import PagedKVCache
+
+from test_memory_block_allocator import AllocatorMachine
+
+ba = lesson("pagedref.memory.block_allocator")
+bt = lesson("pagedref.memory.block_table")
+sh = lesson("pagedref.memory.sharing")
+pytestmark = pytest.mark.stage4
+NoFreeBlocksError, FreedSequenceError, MaxModelLenError = ba.NoFreeBlocksError, bt.FreedSequenceError, bt.MaxModelLenError
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PrefixCachingAllocatorMachine(AllocatorMachine):
+    """Stage 2's allocator machine, over stage 4's PrefixCachingAllocator: the subclass keeps the contract."""
+
+    @staticmethod
+    def make(num_blocks: int, block_size: int):
+        return sh.PrefixCachingAllocator(num_blocks, block_size)
+
+
+PrefixCachingAllocatorMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+TestPrefixCachingAllocatorKeepsTheAllocatorContract = PrefixCachingAllocatorMachine.TestCase
 
 VOCAB = 3  # a tiny vocabulary: random prompts share prefixes often
 
@@ -42,7 +70,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24), chunk=st.integers(1, 24))
     def setup(self, block_size, num_blocks, prefix_caching, max_model_len, prompt, chunk):
         self.bs = block_size
-        self.kv = KVCacheManager(num_blocks, block_size, max_model_len, enable_prefix_caching=prefix_caching)
+        self.kv = sh.KVCacheManager(num_blocks, block_size, max_model_len, enable_prefix_caching=prefix_caching)
         self.pool = PagedKVCache(num_blocks, block_size, 1, 2, dtype=np.float64)
         self.tokens: dict[int, list[int]] = {}  # live seq -> tokens whose K/V are in the pool
         self.pending: dict[int, list[int]] = {}  # live seq -> prompt tokens not prefilled yet
@@ -64,7 +92,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def learn_prefixes(self, tokens: list[int]) -> None:
         parent = None
         for i in range(len(tokens) // self.bs):
-            parent = hash_block_tokens(parent, tokens[i * self.bs:(i + 1) * self.bs])
+            parent = sh.hash_block_tokens(parent, tokens[i * self.bs:(i + 1) * self.bs])
             prefix = tuple(tokens[:(i + 1) * self.bs])
             assert self.prefixes.setdefault(parent, prefix) == prefix, "two different prefixes share a block hash"
 
@@ -75,11 +103,30 @@ class KVCacheMachine(RuleBasedStateMachine):
             return 0
         parent, n = None, 0
         for i in range((len(prompt) - 1) // self.bs):
-            parent = hash_block_tokens(parent, prompt[i * self.bs:(i + 1) * self.bs])
+            parent = sh.hash_block_tokens(parent, prompt[i * self.bs:(i + 1) * self.bs])
             if parent not in self.kv.allocator.cached:
                 break
             n += 1
         return n * self.bs
+
+    def references(self) -> list[int]:
+        """Each block's block-table references, counted from the tables (not the allocator's counts)."""
+        refs = [0] * self.kv.allocator.num_total
+        for s in self.tokens:
+            for b in self.kv.block_ids(s):
+                refs[b] += 1
+        return refs
+
+    def free_blocks(self) -> int:
+        return sum(1 for r in self.references() if r == 0)
+
+    def cached_blocks(self, prompt: list[int], num_cached: int) -> list[int]:
+        """The blocks a lookup of `prompt` finds: its first num_cached // block_size chained hashes."""
+        blocks, parent = [], None
+        for i in range(num_cached // self.bs):
+            parent = sh.hash_block_tokens(parent, prompt[i * self.bs:(i + 1) * self.bs])
+            blocks.append(self.kv.allocator.cached[parent])
+        return blocks
 
     def write(self, seq: int, slots: list[int], copies: list[tuple[int, int]], new: list[int]) -> None:
         for src, dst in copies:  # copy-on-write before this step's writes, as the model runner does
@@ -101,7 +148,11 @@ class KVCacheMachine(RuleBasedStateMachine):
                 self.kv.allocate(seq, prompt, num_new)
             assert self.snapshot() == before and seq not in self.kv.seqs, "a refused allocate changed the state"
             return
-        if not self.kv.can_allocate(prompt, num_new):
+        fits = self.free_blocks() >= cdiv(expected + num_new, self.bs) - expected // self.bs + sum(
+            1 for b in self.cached_blocks(prompt, expected) if not self.references()[b])  # free hits are taken too
+        assert self.kv.can_allocate(prompt, num_new) == fits, \
+            f"can_allocate must answer {fits}: it counts the new blocks and the free cached hits it would take"
+        if not fits:
             with pytest.raises(NoFreeBlocksError):
                 self.kv.allocate(seq, prompt, num_new)
             assert self.snapshot() == before and seq not in self.kv.seqs, "a refused allocate changed the state"
@@ -120,7 +171,12 @@ class KVCacheMachine(RuleBasedStateMachine):
                 self.kv.append_slots(seq, new)
             assert self.snapshot() == before, "a refused append changed the state (a half-done copy-on-write?)"
             return False
-        if not self.kv.can_append(seq, len(new)):
+        ids, n = self.kv.block_ids(seq), len(self.tokens[seq])
+        copy = bool(new) and n % self.bs != 0 and self.references()[ids[-1]] > 1  # a shared, partly filled last block
+        need = cdiv(n + len(new), self.bs) - len(ids) + copy
+        assert self.kv.blocks_needed(seq, len(new)) == need, f"blocks_needed must be {need} (copy-on-write: {copy})"
+        assert self.kv.can_append(seq, len(new)) == (need <= self.free_blocks()), "can_append must answer blocks_needed <= free"
+        if need > self.free_blocks():
             with pytest.raises(NoFreeBlocksError):
                 self.kv.append_slots(seq, new)
             assert self.snapshot() == before, "a refused append changed the state"

@@ -39,7 +39,8 @@ class BlockAllocator:
     allocate, take, incref and free are O(1): none of them scans ref_counts or the free list (stage 2's
     tests count the entries of both that each one reads). Errors: a num_blocks or block_size that is
     not a positive int raises ValueError naming it; a block id outside 0..num_blocks-1, or not an int,
-    raises InvalidBlockError. A refused call changes nothing.
+    raises InvalidBlockError. Each error's message names the block (allocate's, the pool's size). A
+    refused call changes nothing.
     """
 
     num_blocks: int

@@ -35,19 +35,29 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
 
 
 class PrefixCachingAllocator(BlockAllocator):
-    """A block allocator whose full blocks can be found again by hash, even after they are freed."""
+    """A block allocator whose full blocks can be found again by hash, even after they are freed.
+
+    A cached block is findable whether it is held or free; it leaves the cache (all three maps) the
+    moment allocate() hands it out for new contents, and only then.
+    """
+
+    cached: dict[int, int]  # block hash -> the physical block holding it (one block per hash)
+    block_hash: dict[int, int]  # physical block -> its hash, while cached (cached[block_hash[b]] == b)
+    block_tokens: dict[int, tuple[int, ...]]  # physical block -> the tokens it holds, while cached
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         super().__init__(num_blocks, block_size)
-        self.cached: dict[int, int] = {}  # block hash -> physical block
-        self.block_hash: dict[int, int] = {}  # physical block -> its hash (while cached)
-        self.block_tokens: dict[int, tuple[int, ...]] = {}  # physical block -> tokens it holds (while cached)
+        self.cached: dict[int, int] = {}
+        self.block_hash: dict[int, int] = {}
+        self.block_tokens: dict[int, tuple[int, ...]] = {}
 
     @property
     def num_cached(self) -> int:
+        """Blocks findable by hash, free or held."""
         return len(self.cached)
 
     def allocate(self) -> int:
+        """Stage 2's allocate (the block free the longest), evicting the block from the cache."""
         block_id = super().allocate()
         self._evict(block_id)  # handed out again: its old contents are about to be overwritten
         return block_id
@@ -59,7 +69,9 @@ class PrefixCachingAllocator(BlockAllocator):
             del self.block_tokens[block_id]
 
     def register(self, block_id: int, block_hash: int, token_ids: Sequence[int]) -> None:
-        """A block just became full: make it findable. The first block with a hash keeps the entry."""
+        """A block just became full: make it findable. The first block with a hash keeps the entry: a
+        later block with the same hash (the same prefix computed twice) stays unregistered, and a block
+        already cached keeps its first hash."""
         if block_hash not in self.cached and block_id not in self.block_hash:
             self.cached[block_hash] = block_id
             self.block_hash[block_id] = block_hash
@@ -97,7 +109,21 @@ class SequenceBlocks:
 
 
 class KVCacheManager:
-    """Block tables for many sequences over one pool, with forks (copy-on-write) and prefix caching."""
+    """Block tables for many sequences over one pool, with forks (copy-on-write) and prefix caching.
+
+    Errors: a block_size below 1 raises ValueError naming it (the allocator's). A call about a sequence
+    that is not live (never allocated, or freed) raises FreedSequenceError; growing a sequence past
+    max_model_len raises MaxModelLenError, and a pool too small for a call, NoFreeBlocksError. Every
+    refused call changes nothing: no block taken or copied, no cache entry, no query counted.
+    """
+
+    allocator: PrefixCachingAllocator  # the pool: ref counts, free list, prefix cache
+    block_size: int
+    max_model_len: int | None  # None: no limit
+    enable_prefix_caching: bool  # False: lookups find nothing and no block is registered
+    seqs: dict[int, SequenceBlocks]  # the live sequences: allocate and fork add one, free removes it
+    prefix_queries: int  # full prompt blocks looked up by the allocates that succeeded (hit rate's denominator)
+    prefix_hits: int  # ... and found in the cache
 
     def __init__(self, num_blocks: int, block_size: int = 16, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True) -> None:
@@ -106,12 +132,13 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
         self.seqs: dict[int, SequenceBlocks] = {}
-        self.prefix_queries = 0  # prompt blocks looked up
-        self.prefix_hits = 0  # ... and found
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     # --- queries --------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
+        """The allocator's free blocks (cached ones included: a cached, unused block is free)."""
         return self.allocator.num_free
 
     def _get(self, seq_id: int) -> SequenceBlocks:
@@ -121,14 +148,18 @@ class KVCacheManager:
             raise FreedSequenceError(f"sequence {seq_id} has no blocks (never allocated, or already freed)") from None
 
     def block_ids(self, seq_id: int) -> list[int]:
+        """The sequence's block table: physical blocks in logical order."""
         return self._get(seq_id).table.block_ids
 
     def num_tokens(self, seq_id: int) -> int:
+        """The sequence's tokens that have a slot."""
         return self._get(seq_id).table.num_tokens
 
     def lookup(self, token_ids: Sequence[int]) -> PrefixHit:
         """Cached blocks for the longest run of full prompt blocks, stopping before the last token:
-        that token must still be computed, to get the logits that sample the first new token."""
+        that token must still be computed, to get the logits that sample the first new token. Only
+        whole blocks among the first len(token_ids) - 1 tokens count, so a prompt that fills its last
+        block exactly recomputes that whole block."""
         hit, parent = PrefixHit([], [], self.block_size), None
         if not self.enable_prefix_caching:
             return hit
@@ -147,28 +178,39 @@ class KVCacheManager:
         return self.lookup(token_ids).num_tokens
 
     def can_allocate(self, token_ids: Sequence[int], num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
-        """Room for a new sequence's cached prefix and num_new_tokens more? (hit: its lookup, if made already.)"""
+        """Would allocate(seq, token_ids, num_new_tokens) succeed now? Counts the blocks for the new
+        tokens (capped, as allocate caps them) and the cached hits on the free list (taking one uses a
+        free block). hit: its lookup, if made already."""
         hits = (hit or self.lookup(token_ids)).blocks
+        num_new_tokens = min(num_new_tokens, len(token_ids) - len(hits) * self.block_size)
         need = cdiv(len(hits) * self.block_size + num_new_tokens, self.block_size) - len(hits)
         free_hits = sum(1 for b in hits if self.allocator.is_free(b))  # taking these uses free blocks too
         return need + free_hits <= self.allocator.num_free
 
     def blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
-        """Free blocks that appending num_new_tokens would use, copy-on-write included."""
+        """Free blocks that appending num_new_tokens would use: the new blocks, plus 1 for a pending
+        copy-on-write (num_new_tokens > 0 and the last block is partly filled and shared)."""
         sb = self._get(seq_id)
         return sb.table.num_new_blocks(num_new_tokens) + int(num_new_tokens > 0 and self._needs_copy(sb))
 
     def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
+        """Would append_slots with num_new_tokens tokens succeed now? (blocks_needed <= free blocks)"""
         return self.blocks_needed(seq_id, num_new_tokens) <= self.allocator.num_free
 
     # --- operations -----------------------------------------------------------------------------
     def allocate(self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int = 0,
                  hit: PrefixHit | None = None) -> tuple[int, list[int]]:
         """Admit a sequence: reuse its cached prefix blocks, then give slots to its next num_new_tokens
-        prompt tokens. All or nothing. Returns (num_cached_tokens, slot mapping of the new tokens).
+        prompt tokens, token_ids[num_cached_tokens : num_cached_tokens + num_new_tokens] (so the count is
+        capped at the uncached rest of the prompt: pass len(token_ids) to prefill it all). All or
+        nothing: ValueError for a live seq_id or a negative count, MaxModelLenError for a prompt longer
+        than max_model_len, NoFreeBlocksError when the pool cannot supply the blocks (then no cached block
+        is taken and no query is counted). Returns (num_cached_tokens, slot mapping of the new tokens).
         hit: the sequence's `lookup`, if made already since the pool's last allocation."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} is already allocated")
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         self._check_len(len(token_ids), 0)  # before any block is taken: all or nothing
         hit = hit or self.lookup(token_ids)
         if not self.can_allocate(token_ids, num_new_tokens, hit):
@@ -240,7 +282,8 @@ class KVCacheManager:
                 self.allocator.register(sb.table.block_ids[i], h, tokens)
 
     def fork(self, parent_id: int, child_id: int) -> None:
-        """The child shares every block of the parent (parallel sampling, beam search)."""
+        """The child shares every block of the parent (parallel sampling, beam search): no block is
+        taken. Raises ValueError if the child is live, FreedSequenceError if the parent is not."""
         if child_id in self.seqs:
             raise ValueError(f"cannot fork into sequence {child_id}: it already has blocks")
         try:
@@ -253,15 +296,22 @@ class KVCacheManager:
         self.seqs[child_id] = SequenceBlocks(table, list(parent.token_ids), list(parent.block_hashes))
 
     def free(self, seq_id: int) -> None:
-        """Drop the sequence's references; blocks nobody else holds return to the free list (cached
-        full blocks stay findable there until reused)."""
+        """Drop the sequence's references and remove it from seqs; blocks nobody else holds return to
+        the free list (cached full blocks stay findable there until reused). Freeing twice raises
+        FreedSequenceError."""
         sb = self._get(seq_id)
         sb.table.free()
         del self.seqs[seq_id]
 
     # --- accounting -----------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        """Blocks total/free/used/shared/cached and the share of used KV memory holding token states."""
+        """The pool's counters and two rates, exactly these keys: num_blocks, num_free_blocks,
+        num_used_blocks, num_shared_blocks (2+ holders), num_cached_blocks (findable by hash, held or
+        free); token_state_fraction = the used blocks' slots holding a token of some sequence /
+        (num_used_blocks * block_size), a shared block counted once (0.0 when nothing is used);
+        prefix_cache_hit_rate = prefix_hits / prefix_queries (0.0 before any query), where each allocate
+        that succeeds with prefix caching on queries the (len(token_ids) - 1) // block_size full blocks a
+        lookup may use and hits those it finds."""
         filled: dict[int, int] = {}
         for sb in self.seqs.values():
             t = sb.table
@@ -280,19 +330,26 @@ class KVCacheManager:
         }
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if any invariant of the module docstring is broken (tests call it)."""
+        """Raise AssertionError, naming the broken invariant, if any is broken: each table holds
+        ceil(num_tokens / block_size) blocks and its sequence len(token_ids) == num_tokens tokens; each
+        block's ref count equals its block-table references; a block is on the free list exactly when
+        its count is 0; free + used == total; cached and block_hash agree; a cached block a sequence
+        holds carries that sequence's tokens. Returns None when all hold (tests call it)."""
         refs = [0] * self.allocator.num_total
         for sb in self.seqs.values():
-            assert len(sb.table.block_ids) == cdiv(sb.table.num_tokens, self.block_size)
-            assert len(sb.token_ids) == sb.table.num_tokens
+            assert len(sb.table.block_ids) == cdiv(sb.table.num_tokens, self.block_size), \
+                f"a table holds {len(sb.table.block_ids)} blocks for {sb.table.num_tokens} tokens"
+            assert len(sb.token_ids) == sb.table.num_tokens, \
+                f"a sequence knows {len(sb.token_ids)} tokens, its table {sb.table.num_tokens}"
             for block_id in sb.table.block_ids:
                 refs[block_id] += 1
         for block_id, count in enumerate(refs):
             assert self.allocator.ref_counts[block_id] == count, f"block {block_id}: ref count != references"
             assert (count == 0) == (block_id in self.allocator.free_list), f"block {block_id}: free list disagrees"
-        assert self.allocator.num_free + self.allocator.num_used == self.allocator.num_total
+        assert self.allocator.num_free + self.allocator.num_used == self.allocator.num_total, "free + used != total"
         for h, block_id in self.allocator.cached.items():
-            assert self.allocator.block_hash[block_id] == h
+            assert self.allocator.block_hash.get(block_id) == h, f"cache entry {h} -> block {block_id}, whose hash differs"
+        assert len(self.allocator.block_hash) == len(self.allocator.cached), "block_hash holds blocks the cache does not"
         for sb in self.seqs.values():  # every cached block a sequence holds carries that sequence's tokens
             for i, block_id in enumerate(sb.table.block_ids[: len(sb.block_hashes)]):
                 tokens = self.allocator.block_tokens.get(block_id)

@@ -30,6 +30,9 @@ def test_step1_admit_reserves_max_model_len_contiguous_slots_first_fit():
     assert cache.holes() == [(70, 30)], "stage 1: holes() must list the free stretches (start, length) in address order"
     assert cache.reservations[1] == contig.Reservation(start=30, capacity=30, num_tokens=0), \
         "stage 1: cache.reservations maps each admitted request id to its Reservation(start, capacity, num_tokens)"
+    assert cache.admit(3, max_len=1) == 70, "stage 1: the smallest reservation, 1 slot, is a valid one"
+    tiny = contig.ContiguousKVCache(num_slots=1, max_model_len=1)
+    assert tiny.admit(0) == 0 and tiny.holes() == [], "stage 1: an arena of 1 slot holds one request of 1; a full arena has no hole"
 
 
 def test_step2_appended_tokens_sit_in_consecutive_slots_and_read_back_exactly():
@@ -47,6 +50,7 @@ def test_step2_appended_tokens_sit_in_consecutive_slots_and_read_back_exactly():
     assert k.tobytes() == np.concatenate([k0, kd]).tobytes(), "stage 1: read() must return exactly the K that were appended, in order"
     assert v.tobytes() == np.concatenate([v0, vd]).tobytes(), "stage 1: read() must return exactly the V that were appended, in order"
     assert cache.append(1, num_tokens=2) == range(35, 37), "stage 1: append(num_tokens=n) reserves slots without storing K/V"
+    assert cache.append(1, num_tokens=0) == range(37, 37), "stage 1: appending 0 tokens is allowed and takes no slot"
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
@@ -90,6 +94,8 @@ def test_step5_release_leaves_a_hole_and_first_fit_takes_the_lowest_hole_that_fi
         cache.admit(rid)
     cache.release(1)
     assert cache.holes() == [(30, 30), (90, 10)], "stage 1: release() must return the request's whole stretch as a hole"
+    assert (cache.find_hole(10), cache.find_hole(30), cache.find_hole(31)) == (30, 30, None), \
+        "stage 1: find_hole(size) is first fit: the start of the lowest hole of at least size slots, or None"
     assert cache.admit(3, max_len=10) == 30, "stage 1: first fit picks the lowest-addressed hole that is large enough"
     assert cache.admit(4, max_len=20) == 40, "stage 1: the rest of a partly used hole is still a hole"
     assert cache.admit(5, max_len=10) == 90, "stage 1: a request that fits only the last hole goes there"
@@ -132,19 +138,22 @@ def test_step8_a_hole_that_still_fits_a_request_is_free_memory_not_fragmentation
     for rid, n in enumerate((6, 4)):  # slots 0..59 reserved; the 40-slot tail can take another request
         cache.admit(rid)
         cache.append(rid, num_tokens=n)
-    cache.admit(2, max_len=5)  # slots 60..64: the tail shrinks to 35 slots, still usable
+    cache.admit(2, max_len=10)  # slots 60..69: the tail shrinks to 30 slots, exactly max_model_len: still usable
     u = cache.usage({0: 6, 1: 30, 2: 5})
     assert u.external_fragmentation == 0, \
-        "stage 1: external fragmentation counts only holes shorter than max_model_len; the 35-slot hole still fits a request"
-    assert u.free == 35 and u.occupied == 65, "stage 1: a usable hole is free memory, outside the occupied part"
-    assert u.token_state_fraction == 10 / 65, \
+        "stage 1: external fragmentation counts only holes shorter than max_model_len; the 30-slot hole still fits a request"
+    assert u.free == 30 and u.occupied == 70, "stage 1: a usable hole is free memory, outside the occupied part"
+    assert u.token_state_fraction == 10 / 70, \
         "stage 1: token_state_fraction is token states / occupied memory (not / total: usable free memory is not waste)"
-    cache.admit(3)  # slots 65..94: the 5-slot tail is too small for any max_model_len request
+    cache.admit(3, max_len=25)  # slots 70..94: the 5-slot tail is too small for any max_model_len request
     u = cache.usage()
     assert u.external_fragmentation == 5 and u.free == 5, \
         "stage 1: the 5-slot tail is external fragmentation: shorter than max_model_len, and still free memory"
     assert u.occupied == 100 and u.token_state_fraction == 10 / 100, \
         "stage 1: with no usable hole left, occupied memory is the whole arena"
+    assert u.fraction(u.reserved) == u.reserved / 100, "stage 1: fraction(part) is part / occupied memory"
+    assert contig.ContiguousKVCache(num_slots=50, max_model_len=10).usage().fraction(0) == 0.0, \
+        "stage 1: with nothing occupied, every fraction is 0.0 (not a division by zero)"
 
 
 def test_step9_bad_input_gets_a_clear_error():
@@ -172,3 +181,9 @@ def test_step9_bad_input_gets_a_clear_error():
     with raises(ValueError, "stage 1: read() on a cache built without storage must raise ValueError (\"storage\")",
                 match="storage"):
         cache.read(1)  # built without num_kv_heads/head_dim: there is nothing to read
+    half = contig.ContiguousKVCache(num_slots=8, max_model_len=4, num_kv_heads=2)  # head_dim 0: still no storage
+    half.admit(0)
+    with raises(ValueError, "stage 1: storage needs both num_kv_heads and head_dim; without it read() raises ValueError",
+                match="storage"):
+        half.read(0)
+    assert contig.ContiguousKVCache(num_slots=1, max_model_len=1).num_slots == 1, "stage 1: 1 slot and max_model_len 1 are valid"

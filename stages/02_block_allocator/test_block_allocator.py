@@ -77,6 +77,8 @@ def test_step1_a_pool_of_equal_blocks_starts_all_free():
 def test_step2_a_block_size_or_pool_size_that_makes_no_sense_is_refused(num_blocks, block_size, name):
     with raises(ValueError, f"stage 2: BlockAllocator({num_blocks}, {block_size}) must raise ValueError naming {name}", match=name):
         ba.BlockAllocator(num_blocks=num_blocks, block_size=block_size)
+    one = ba.BlockAllocator(num_blocks=1, block_size=1)
+    assert (one.num_total, one.block_size) == (1, 1), "stage 2: the smallest pool, 1 block of 1 slot, is a valid pool"
 
 
 def test_step3_allocate_hands_out_distinct_blocks_with_ref_count_one():
@@ -92,7 +94,7 @@ def test_step4_an_exhausted_pool_raises_a_typed_error_and_changes_nothing():
     for _ in range(3):
         a.allocate()
     with raises(ba.NoFreeBlocksError, "stage 2: allocate() on an exhausted pool must raise NoFreeBlocksError, so the "
-                "caller (the scheduler) knows to wait or preempt"):
+                "caller (the scheduler) knows to wait or preempt; its message names the pool's 3 blocks", match="3"):
         a.allocate()
     assert (a.num_free, a.num_used) == (0, 3), "stage 2: a failed allocate() must not change the counters"
 
@@ -156,7 +158,7 @@ def test_step9_take_removes_one_particular_free_block():
     a.take(2)
     assert a.ref_count(2) == 1 and not a.is_free(2) and a.num_free == 3, "stage 2: take(b) moves free block b to ref count 1"
     assert 2 not in {a.allocate() for _ in range(3)}, "stage 2: a taken block must not be handed out again by allocate()"
-    with raises(ba.InvalidBlockError, "stage 2: take() of a block that is held must raise InvalidBlockError"):
+    with raises(ba.InvalidBlockError, "stage 2: take() of a block that is held must raise InvalidBlockError naming it", match="2"):
         a.take(2)
 
 
@@ -164,16 +166,18 @@ def test_step10_misuse_raises_typed_errors():
     a = ba.BlockAllocator(num_blocks=4, block_size=4)
     b = a.allocate()
     a.free(b)
-    with raises(ba.DoubleFreeError, "stage 2: freeing twice must raise DoubleFreeError, not turn the ref count negative"):
+    with raises(ba.DoubleFreeError, "stage 2: freeing twice must raise DoubleFreeError naming the block, not turn the "
+                "ref count negative", match=str(b)):
         a.free(b)
-    with raises(ba.DoubleFreeError, "stage 2: freeing a block nobody holds must raise DoubleFreeError"):
+    with raises(ba.DoubleFreeError, "stage 2: freeing a block nobody holds must raise DoubleFreeError naming it", match="3"):
         a.free(3)
-    with raises(ba.InvalidBlockError, "stage 2: incref() of a free block must raise InvalidBlockError: nobody holds it to share"):
+    with raises(ba.InvalidBlockError, "stage 2: incref() of a free block must raise InvalidBlockError naming it: "
+                "nobody holds it to share", match="3"):
         a.incref(3)
     for bad in (-1, 4, "0", 1.0):
         for op in (a.free, a.incref, a.take, a.ref_count, a.is_free):
-            with raises(ba.InvalidBlockError, f"stage 2: {op.__name__}({bad!r}) must raise InvalidBlockError: "
-                        "only the ints 0..num_blocks-1 name a block"):
+            with raises(ba.InvalidBlockError, f"stage 2: {op.__name__}({bad!r}) must raise InvalidBlockError naming it: "
+                        "only the ints 0..num_blocks-1 name a block", match=str(bad)):
                 op(bad)
     for err in (ba.NoFreeBlocksError, ba.DoubleFreeError, ba.InvalidBlockError):
         assert issubclass(err, ba.BlockAllocatorError), f"stage 2: {err.__name__} must derive from BlockAllocatorError"

@@ -32,12 +32,15 @@ def test_step1_the_table_grows_one_block_at_a_time_only_when_the_last_block_is_f
     table = bt.BlockTable(ba.BlockAllocator(num_blocks=8, block_size=4))
     for n in range(1, 14):
         before = list(table.block_ids)
+        assert table.num_new_blocks(1) == (n % 4 == 1), \
+            f"stage 3: num_new_blocks(1) with {n - 1} tokens must be {int(n % 4 == 1)}: a block only when the last one is full"
         table.append_slots(1)
         assert len(table.block_ids) == bt.cdiv(n, 4), f"stage 3: a table holds exactly ceil(num_tokens / block_size) blocks: {n} tokens need {bt.cdiv(n, 4)}, it holds {len(table.block_ids)}"
         grew = len(table.block_ids) > len(before)
         assert grew == (n % 4 == 1), f"stage 3: a new block is taken only when token {n} does not fit the last block"
         assert table.block_ids[:len(before)] == before, "stage 3: growing must not move the blocks already in the table"
     assert table.num_tokens == 13, "stage 3: num_tokens counts the tokens that have a slot"
+    assert table.append_slots(0) == [] and table.num_tokens == 13, "stage 3: append_slots(0) is allowed: no slot, no change"
 
 
 def test_step2_the_slot_mapping_is_physical_block_times_block_size_plus_offset():
@@ -47,6 +50,9 @@ def test_step2_the_slot_mapping_is_physical_block_times_block_size_plus_offset()
     expected = [table.block_ids[p // 4] * 4 + p % 4 for p in range(10)]
     assert slots == expected, "stage 3: the slot of position p is block_ids[p // block_size] * block_size + p % block_size"
     assert [table.slot(p) for p in range(10)] == expected, "stage 3: slot(p) must agree with the slot mapping"
+    for start, end in ((0, 10), (3, 9), (4, 8), (5, 6), (7, 7)):
+        assert bt.slot_range(table.block_ids, start, end, 4) == expected[start:end], \
+            f"stage 3: slot_range(block_ids, {start}, {end}, block_size) is the slots of positions {start}..{end - 1}"
     with raises(IndexError, "stage 3: slot(10) of a 10-token table must raise IndexError: position 10 has no slot yet"):
         table.slot(10)
     with raises(IndexError, "stage 3: slot(-1) must raise IndexError: positions are 0..num_tokens-1, not counted from the end"):
@@ -67,6 +73,8 @@ def test_step4_appending_is_all_or_nothing_when_the_pool_runs_dry():
     a = ba.BlockAllocator(num_blocks=3, block_size=4)
     table = bt.BlockTable(a)
     table.append_slots(6)  # 2 blocks
+    assert (table.num_new_blocks(7), table.num_new_blocks(2), table.num_new_blocks(0)) == (2, 0, 0), \
+        "stage 3: num_new_blocks(n) = ceil((num_tokens + n) / block_size) - the blocks held: 13 tokens need 2 more"
     with raises(ba.NoFreeBlocksError, "stage 3: 13 tokens need 4 blocks, 2 more than the table has, and only 1 is free: "
                 "append_slots must raise NoFreeBlocksError"):
         table.append_slots(7)
@@ -119,6 +127,11 @@ def test_step8_the_pool_returns_exactly_what_was_written_through_the_slot_mappin
     assert cache.k.shape == cache.v.shape == (6, 4, NUM_KV_HEADS, HEAD_DIM) and cache.k.dtype == dtype, \
         "stage 3: the pools k and v are [num_blocks, block_size, num_kv_heads, head_dim] arrays of the dtype asked for"
     assert (cache.num_blocks, cache.block_size) == (6, 4), "stage 3: num_blocks and block_size are read from the pool's shape"
+    zeros = bt.PagedKVCache(2, 2, 1, 1, dtype=dtype, fill=0.0)
+    assert (zeros.k == 0).all() and (zeros.v == 0).all(), "stage 3: fill is the unwritten slots' value, in k and v"
+    cache.write([], np.zeros((0, NUM_KV_HEADS, HEAD_DIM), dtype), np.zeros((0, NUM_KV_HEADS, HEAD_DIM), dtype))
+    assert np.isnan(cache.k).all(), "stage 3: writing an empty slot mapping writes nothing"
+    assert cache.gather([], 0)[0].shape == (0, NUM_KV_HEADS, HEAD_DIM), "stage 3: gathering 0 tokens gives an empty [0, Hkv, d]"
     assert np.isnan(cache.k).all() and np.isnan(cache.v).all(), "stage 3: unwritten slots must hold NaN so a stray read is visible"
     table = bt.BlockTable(a)
     k = rng.standard_normal((9, NUM_KV_HEADS, HEAD_DIM)).astype(dtype)
@@ -149,8 +162,9 @@ def _paged_vs_oracle(block_size: int, dtype, seed: int) -> None:
         q = rng.standard_normal((n, NUM_HEADS, HEAD_DIM)).astype(dtype)
         cache.write(tables[s].append_slots(n), k, v)
         ks[s], vs[s] = np.concatenate([ks[s], k]), np.concatenate([vs[s], v])
-        out = bt.paged_attention(q, cache, tables[s].block_ids, tables[s].num_tokens)
-        ref = attention(q, ks[s], vs[s])
+        scale = 0.3 if s == 1 else None  # the scale is passed on (None: 1/sqrt(head_dim))
+        out = bt.paged_attention(q, cache, tables[s].block_ids, tables[s].num_tokens, scale=scale)
+        ref = attention(q, ks[s], vs[s], scale=scale)
         assert out.dtype == ref.dtype and out.tobytes() == ref.tobytes(), (
             f"stage 3: paged attention of sequence {s} at {tables[s].num_tokens} tokens must equal the oracle bit for bit "
             f"(block_size={block_size}, {np.dtype(dtype).name})")
@@ -176,8 +190,9 @@ def test_step9_paged_attention_equals_the_oracle_bit_for_bit_for_every_block_siz
 def test_step10_a_bad_block_table_is_refused_with_a_clear_error():
     cache = bt.PagedKVCache(4, 4, NUM_KV_HEADS, HEAD_DIM)
     kv = np.zeros((1, NUM_KV_HEADS, HEAD_DIM), np.float32)
-    with raises(ba.InvalidBlockError, "stage 3: gather() through block 9, outside the pool of 4, must raise InvalidBlockError"):
-        cache.gather([0, 9], 6)
+    for bad in (9, 4):
+        with raises(ba.InvalidBlockError, f"stage 3: gather() through block {bad}, outside the pool of 4 (0..3), must raise InvalidBlockError"):
+            cache.gather([0, bad], 6)
     with raises(ba.InvalidBlockError, "stage 3: gather() through block -1 must raise InvalidBlockError, "
                 "not read the pool's last block (numpy's negative index)"):
         cache.gather([0, -1], 6)
