@@ -594,7 +594,8 @@ def grade(package_dir: Path, numbers: list[int], workdir: Path) -> list[dict]:
     (workdir / "_course_report.py").write_text(_REPORTER)
     report = workdir / f"report-{package_dir.parent.name}.jsonl"
     report.unlink(missing_ok=True)
-    env = {**os.environ, "COURSE_REPORT": str(report),
+    env = {"PAGEDREF_CUDA_DIR": str(REPO_ROOT / "cuda"),  # a copied kernels/build.py finds the kernels anywhere
+           **os.environ, "COURSE_REPORT": str(report),
            "PYTHONPATH": os.pathsep.join(p for p in (str(workdir), os.environ.get("PYTHONPATH", "")) if p)}
     folders = [f"stages/{stage(n).folder}" for n in numbers]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_course_report",
