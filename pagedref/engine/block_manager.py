@@ -48,7 +48,10 @@ class BlockManager:
     # --- admission ------------------------------------------------------------------------------
     def lookup(self, seq: Sequence) -> PrefixHit:
         """The prefix cache's blocks for a sequence without blocks (hit.num_tokens of its tokens): valid for
-        `can_allocate` / `allocate` until the pool's next allocation."""
+        `can_allocate` / `allocate` until the pool's next allocation. None for a sequence that asks for its
+        prompt's logprobs: each prompt token must be computed to give its own (vLLM v1 skips the cache too)."""
+        if seq.params.prompt_logprobs is not None:
+            return PrefixHit([], [], self.block_size)
         return self.kv.lookup(seq.token_ids)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:

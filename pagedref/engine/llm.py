@@ -182,6 +182,9 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} is more than max_logprobs={self.max_logprobs} "
                              "(an LLM argument, 20 by default as in vLLM)")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.max_logprobs:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} is more than max_logprobs={self.max_logprobs} "
+                             "(an LLM argument, 20 by default as in vLLM)")
         if params.n > 1 and isinstance(self.block_manager, ContiguousBlockManager):
             raise ValueError(f"n={params.n} needs shared blocks: kv_cache='contiguous' (the stage 1 baseline) has none")
 
@@ -199,6 +202,8 @@ class LLMEngine:
             group.beam = BeamState(params, list(group.seqs))
         else:  # all n now (their seeds drawn in index order); the n - 1 others fork off the first after its prefill
             group.seqs = [self._new_sequence(group, params, i) for i in range(params.n)]
+            if params.prompt_logprobs is not None:  # filled by update as the prompt's chunks are computed
+                group.prompt_logprobs = [None] * len(ids)
         self.requests[request_id] = group
         self.num_prompt_tokens += len(ids)
         self.scheduler.add(group.seqs[0])
@@ -322,7 +327,8 @@ class LLMEngine:
                 for s in group.seqs
             ]
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, group.is_finished,
-                             group.metrics, group.num_cached_tokens or 0)
+                             group.metrics, group.num_cached_tokens or 0,
+                             list(group.prompt_logprobs) if group.prompt_logprobs is not None else None)
 
     # --- statistics -----------------------------------------------------------------------------
     def reset_stats(self) -> None:

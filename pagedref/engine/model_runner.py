@@ -89,6 +89,8 @@ class StepInput:
     logit_rows: list[int]  # per sampling sequence, its row of the step's logits (n samples share one)
     sample_seqs: list[Sequence]
     host_meta: AttentionMetadata | None = None  # the same on the CPU, for host-side checks (CUDA)
+    prompt_rows: list[int] | None = None  # rows whose logits give prompt logprobs (sequences that ask for them)
+    prompt_spans: list[tuple[Sequence, int, int]] | None = None  # (seq, first prompt position predicted, count)
 
 
 class ModelRunnerOutput:
@@ -96,9 +98,11 @@ class ModelRunnerOutput:
     The tokens are on the device at once (`token_tensor`, what the next step reads); `token_ids`,
     `logprobs` and `logits` are their host views, computed when first read (they wait for the device)."""
 
-    def __init__(self, tokens: torch.Tensor, logits: torch.Tensor | None, rows: list[int], seqs: list[Sequence]) -> None:
+    def __init__(self, tokens: torch.Tensor, logits: torch.Tensor | None, rows: list[int], seqs: list[Sequence],
+                 prompt_logits: torch.Tensor | None = None, prompt_spans: list[tuple[Sequence, int, int]] | None = None) -> None:
         self.token_tensor = tokens  # [S] int64, on the device
         self._rows, self._seqs = rows, seqs
+        self._prompt_logits, self._prompt_spans = prompt_logits, prompt_spans  # [P, vocab]: rows in span order
         # the step's logits [R, vocab] outlive it only where a sequence reads them (logprobs, recorded logits)
         wanted = any(seq.params.logprobs is not None or seq.logits is not None for seq in seqs)
         self._logits = logits if wanted else None
@@ -124,6 +128,20 @@ class ModelRunnerOutput:
             return None
         return [None if seq.params.logprobs is None else row_logprobs(self._logits[row], token, seq.params.logprobs)
                 for row, seq, token in zip(self._rows, self._seqs, self.token_ids)]
+
+    @functools.cached_property
+    def prompt_logprobs(self) -> list[tuple[Sequence, int, list[dict[int, Logprob]]]] | None:
+        """Per sequence that asked: (seq, first prompt position, {token: Logprob} of each prompt token from
+        there, its own and the k most likely, from the logits of the row before it)."""
+        if not self._prompt_spans:
+            return None
+        out, row = [], 0
+        for seq, first, count in self._prompt_spans:
+            k = seq.params.prompt_logprobs
+            tops = [row_logprobs(self._prompt_logits[row + i], seq.token_ids[first + i], k)[1] for i in range(count)]
+            out.append((seq, first, tops))
+            row += count
+        return out
 
     @functools.cached_property
     def logits(self) -> list[torch.Tensor | None] | None:
@@ -185,7 +203,10 @@ class ModelRunner:
         else:
             logits = hidden.new_empty((0, 0))
         tokens = self.sampler.sample_tokens(logits, step.logit_rows, step.sample_seqs, self._upload)
-        out = ModelRunnerOutput(tokens, logits, step.logit_rows, step.sample_seqs)
+        prompt_logits = None
+        if step.prompt_rows:  # prompt_logprobs: the logits of the prompt rows that predict a prompt token
+            prompt_logits = self.model.compute_logits(hidden.index_select(0, self._upload(step.prompt_rows)))
+        out = ModelRunnerOutput(tokens, logits, step.logit_rows, step.sample_seqs, prompt_logits, step.prompt_spans)
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -200,9 +221,15 @@ class ModelRunner:
         overhead) cost more than the work."""
         ids, positions, slots, query_lens, context_lens, tables = [], [], [], [], [], []
         sample_rows, logit_rows, sample_seqs, in_flight_rows, in_flight_src = [], [], [], [], []
+        prompt_rows, prompt_spans = [], []
         num_rows = 0
         for s in sched.scheduled:
             n, start = s.num_new_tokens, s.num_computed_tokens
+            last = s.seq.num_prompt_tokens - 1  # the last prompt row predicts a generated token, not a prompt one
+            if s.seq.params.prompt_logprobs is not None and start < last:  # rows start.. predict tokens start + 1..
+                count = min(n, last - start)
+                prompt_rows.extend(range(num_rows, num_rows + count))
+                prompt_spans.append((s.seq, start + 1, count))
             if s.prev_sample_index >= 0:  # a decode whose input the step in flight is sampling: read on the device
                 in_flight_rows.append(num_rows)
                 in_flight_src.append(s.prev_sample_index)
@@ -236,12 +263,13 @@ class ModelRunner:
                 slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc=torch.from_numpy(qsl),
                 context_lens=torch.tensor(context_lens, dtype=torch.int32), block_tables=torch.from_numpy(block_tables),
                 max_query_len=max(query_lens), max_context_len=max(context_lens), block_size=self.block_size),
-            sample_rows=sample_rows, logit_rows=logit_rows, sample_seqs=sample_seqs)
+            sample_rows=sample_rows, logit_rows=logit_rows, sample_seqs=sample_seqs, prompt_rows=prompt_rows,
+            prompt_spans=prompt_spans)
         if self.device.type == "cpu":
             step = host
         else:
             step = StepInput(self._upload(host.input_ids), self._upload(host.positions), self._upload_meta(host.meta),
-                             sample_rows, logit_rows, sample_seqs, host_meta=host.meta)
+                             sample_rows, logit_rows, sample_seqs, host.meta, prompt_rows, prompt_spans)
         if in_flight_rows:
             tokens = prev.token_tensor.index_select(0, self._upload(in_flight_src))
             step.input_ids.index_copy_(0, self._upload(in_flight_rows), tokens)

@@ -46,6 +46,7 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[tuple[float, dict[int, Logprob]] | None] | None = None  # where the sequence asked for logprobs
     logits: list[torch.Tensor | None] | None = None  # [vocab] float32 on the CPU, where the sequence records them
+    prompt_logprobs: list[tuple[Sequence, int, list[dict[int, Logprob]]]] | None = None  # (seq, first position, per token)
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:

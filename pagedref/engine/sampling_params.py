@@ -45,6 +45,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None = none; 0 = the sampled token's; k = also the k most likely
+    prompt_logprobs: int | None = None  # None = none; k: each prompt token's logprob (and the k most likely)
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -64,6 +65,7 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, 1, allow_none=True)
         _check_int("seed", self.seed, allow_none=True)
         _check_int("logprobs", self.logprobs, 0, allow_none=True)
+        _check_int("prompt_logprobs", self.prompt_logprobs, 0, allow_none=True)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -120,6 +120,7 @@ class SampledTokens(Protocol):
     token_ids: list[int]
     logprobs: list[tuple[float, dict[int, Logprob]] | None] | None  # where the sequence asked for logprobs
     logits: list[torch.Tensor | None] | None  # [vocab] float32 on the CPU, where the sequence records them
+    prompt_logprobs: list[tuple[Sequence, int, list[dict[int, Logprob]]]] | None  # (seq, first position, per token)
 
 
 @dataclass
@@ -311,6 +312,7 @@ class Scheduler:
         if not self.in_flight or self.in_flight[0] is not out:
             raise RuntimeError("update() takes the scheduled steps in the order schedule() returned them")
         self.in_flight.popleft()
+        self._record_prompt_logprobs(sampled.prompt_logprobs)
         token_ids = sampled.token_ids
         advanced: dict[int, SequenceGroup] = {}
         i = 0
@@ -331,6 +333,18 @@ class Scheduler:
             if group is not None:
                 advanced[id(group)] = group
         return list(advanced.values())
+
+    def _record_prompt_logprobs(self, spans) -> None:
+        """The prompt tokens' logprobs of the chunks just computed, into their requests (a position computed
+        twice, after a preemption, keeps its first: the same bits on the CPU)."""
+        for seq, first, tops in spans or ():
+            group = seq.group
+            if group is None or group.prompt_logprobs is None or seq.is_finished:
+                continue
+            for pos, top in enumerate(tops, start=first):
+                if group.prompt_logprobs[pos] is None:
+                    self._name_tokens(top)
+                    group.prompt_logprobs[pos] = top
 
     def _append(self, seq: Sequence, token: int, sampled: SampledTokens, i: int) -> None:
         """The sampled token joins the sequence (its placeholder, if it had one); then the stop rules."""

@@ -160,6 +160,7 @@ class SequenceGroup:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     forked: bool = False  # n > 1: the prompt's prefill has sampled, and the n sequences are forked off it
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token (first: None), when asked
     beam: Any = None  # beam search's state (`pagedref.engine.beam_search.BeamState`); None: sampling
 
     @property
@@ -220,3 +221,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens that were found in the prefix cache
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, {token: Logprob}, ...] when asked
