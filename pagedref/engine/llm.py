@@ -356,11 +356,6 @@ class LLMEngine:
         self.num_batched_tokens += sched.num_batched_tokens
         self.peak_num_running_seqs = max(self.peak_num_running_seqs, len(self.scheduler.running))
         self.peak_num_batched_seqs = max(self.peak_num_batched_seqs, len(sched.scheduled))
-        now = None
-        for s in sched.scheduled:
-            group = s.seq.group
-            if group is not None and group.metrics.first_scheduled_time is None:
-                group.metrics.first_scheduled_time = now = now or time.monotonic()
         tsf, used, saved = self.block_manager.live_usage()
         self.peak_num_used_blocks = max(self.peak_num_used_blocks, used)
         self.peak_blocks_saved_by_sharing = max(self.peak_blocks_saved_by_sharing, saved)

@@ -57,6 +57,7 @@ except an idle beam whose blocks were taken back, which waits in no queue for it
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -72,7 +73,7 @@ from pagedref.engine.stop_checker import StopChecker
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "ScheduledSequence", "SampledTokens"]
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSequence:
     """One sequence's share of a step (vLLM v0's SequenceGroupMetadata), everything the runner needs."""
 
@@ -82,7 +83,7 @@ class ScheduledSequence:
     token_ids: list[int]  # the new tokens (a placeholder's: 0, read from prev_sample_index's token on the device)
     block_ids: list[int]  # its block table (the block manager's list: read it before the next schedule())
     slot_mapping: list[int]  # one slot per new token, from the memory layer
-    sample_seqs: list[Sequence] = field(default_factory=list)  # who samples from its last row ([]: a prefill chunk)
+    sample_seqs: list[Sequence]  # who samples from its last row ([]: a prefill chunk)
     prev_sample_index: int = -1  # >= 0: its input is the token sampled at this index of the step still in flight
 
     @property
@@ -175,13 +176,14 @@ class Scheduler:
 
     def _take(self, step: _Step, seq: Sequence, n: int, slots: list[int]) -> None:
         """Schedule n tokens of seq into their slots: its computed count and placeholders move now."""
-        start = seq.num_computed_tokens
-        entry = ScheduledSequence(seq, n, start, seq.token_ids[start:start + n], self.block_manager.block_ids(seq), slots)
-        if len(entry.token_ids) < n:  # its last token is in flight: a decode whose input the runner reads on the device
+        start, tokens = seq.num_computed_tokens, seq.token_ids
+        known = len(tokens)
+        entry = ScheduledSequence(seq, n, start, tokens[start:start + n], self.block_manager.block_ids(seq), slots, [])
+        if start + n > known:  # its last token is in flight: a decode whose input the runner reads on the device
             assert n == 1 and step.prev_index is not None, "only a decode can wait on a token in flight"
             entry.token_ids, entry.prev_sample_index = [0], step.prev_index[seq.seq_id]
-        seq.num_computed_tokens += n
-        if seq.num_computed_tokens == seq.num_tokens + seq.num_placeholders:  # all known: its last row samples
+        seq.num_computed_tokens = start + n
+        if start + n == known + seq.num_placeholders:  # all known: its last row samples
             group = seq.group
             forks = group is not None and group.n > 1 and not group.forked
             entry.sample_seqs = group.seqs if forks else [seq]
@@ -260,8 +262,10 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.num_computed_tokens, slots = bm.allocate(seq, n, hit)
-            if seq.group is not None and seq.group.num_cached_tokens is None:
-                seq.group.num_cached_tokens = seq.num_computed_tokens  # the prefix cache's share of the prompt
+            group = seq.group
+            if group is not None and group.num_cached_tokens is None:  # its first admission
+                group.num_cached_tokens = seq.num_computed_tokens  # the prefix cache's share of the prompt
+                group.metrics.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._take(step, seq, n, slots)
