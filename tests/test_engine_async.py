@@ -121,6 +121,7 @@ def test_a_sequence_stopped_late_frees_its_blocks_and_its_next_step_is_dropped()
     assert torch.equal(got.outputs[0].logits, want.outputs[0].logits)
     assert llm.get_stats()["num_steps"] == sync.get_stats()["num_steps"] + 1, "one decode step after eos, dropped"
     assert llm.llm_engine.block_manager.all_free()
+    assert not llm.llm_engine.has_unfinished_requests(), "the dropped step is drained: the engine is idle"
 
 
 def test_abort_while_a_step_is_in_flight():

@@ -288,6 +288,11 @@ class LLMEngine:
             prev_sched, prev_sampled = self._in_flight
             outputs = self._outputs(self.scheduler.update(prev_sched, prev_sampled), final_only)  # waits for N's tokens
         self._in_flight = (sched, launched) if launched is not None else None
+        if self._in_flight is not None and not self.scheduler.has_unfinished():
+            # N stopped every sequence N+1 computes for (eos, stop strings): N+1 is all dropped work. Drain it
+            # now, so an engine with nothing left to do is idle (has_unfinished_requests() is False).
+            self.scheduler.update(sched, launched)
+            self._in_flight = None
         return outputs
 
     def _check_progress(self) -> None:
