@@ -182,15 +182,8 @@ class EngineArgs:
         device = resolve_device(self.device)
         check_positive("block_size", self.block_size)
         defaults = device_defaults(device)
-        max_num_seqs = defaults["max_num_seqs"] if self.max_num_seqs is None else self.max_num_seqs
-        check_positive("max_num_seqs", max_num_seqs)
-        if self.prefill_first and self.enable_chunked_prefill:
-            raise ValueError("prefill_first=True is vLLM v0's policy without chunked prefill: "
-                             "pass enable_chunked_prefill=False with it")
         if self.kv_cache not in ("paged", "contiguous"):
             raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {self.kv_cache!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None:
@@ -216,7 +209,10 @@ class EngineArgs:
             budget = defaults["max_num_batched_tokens"]
             if not self.enable_chunked_prefill:
                 budget = max(budget, max_model_len)
-        check_positive("max_num_batched_tokens", budget)
+        max_num_seqs = defaults["max_num_seqs"] if self.max_num_seqs is None else self.max_num_seqs
+        # the scheduler's own checks (limits, preemption_mode, prefill_first), in one place: its config
+        scheduler = SchedulerConfig(max_num_seqs, budget, self.enable_chunked_prefill, self.preemption_mode,
+                                    self.prefill_first)
         if not self.enable_chunked_prefill and budget < max_model_len:
             raise ValueError(f"max_num_batched_tokens={budget} < max_model_len={max_model_len}: "
                              "without chunked prefill a whole prompt must fit in one step")
@@ -226,13 +222,13 @@ class EngineArgs:
         elif async_scheduling and tp_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size=1: the workers would need each step's "
                              "sampled tokens on their own GPUs (tensor parallelism schedules synchronously)")
+        scheduler.async_scheduling = bool(async_scheduling)
         return EngineConfig(
             model=self.model, hf_config=hf_config, device=device, dtype=dtype, max_model_len=max_model_len,
             seed=self.seed, max_logprobs=self.max_logprobs, record_logits=self.record_logits,
             cache=CacheConfig(self.block_size, self.num_kv_blocks, self.gpu_memory_utilization, self.cpu_kv_cache_bytes,
                               self.swap_space, self.enable_prefix_caching, self.kv_cache),
-            scheduler=SchedulerConfig(max_num_seqs, budget, self.enable_chunked_prefill, self.preemption_mode,
-                                      self.prefill_first, bool(async_scheduling)),
+            scheduler=scheduler,
             parallel=ParallelConfig(tp_size),
             compilation=CompilationConfig(self.enforce_eager, self.max_seq_len_to_capture, self.max_capture_size),
             scheduler_cls=self.scheduler_cls, block_manager_cls=self.block_manager_cls,
