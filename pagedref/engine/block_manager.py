@@ -34,7 +34,15 @@ WATERMARK = 0.01
 
 class BlockManager:
     """Paged KV blocks for sequences (prefix caching, forks with copy-on-write) and a CPU swap pool.
-    Admission keeps `watermark` (a share of the pool, vLLM's 1%) free for the running sequences."""
+    Admission keeps `watermark` (a share of the pool, vLLM's 1%) free for the running sequences.
+    A sequence is known by its seq_id: its memory-layer sequence (kv.seqs) and its CPU table."""
+
+    kv: KVCacheManager  # stage 4's manager over the device pool: block tables, forks, prefix cache
+    block_size: int
+    num_blocks: int  # device blocks
+    watermark_blocks: int  # int(watermark * num_blocks), rounded down as vLLM does: 0 below 100 blocks at 1%
+    cpu: BlockAllocator | None  # the swap pool (num_cpu_blocks blocks), None when num_cpu_blocks == 0
+    cpu_tables: dict[int, list[int]]  # a swapped sequence's seq_id -> its CPU blocks, in logical order
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, enable_prefix_caching: bool = True,
                  num_cpu_blocks: int = 0, watermark: float = WATERMARK) -> None:
@@ -43,7 +51,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.watermark_blocks = int(watermark * num_blocks)  # vLLM's: int(0.01 * num_gpu_blocks)
         self.cpu = BlockAllocator(num_cpu_blocks, block_size) if num_cpu_blocks > 0 else None
-        self.cpu_tables: dict[int, list[int]] = {}  # swapped seq_id -> its CPU blocks, in logical order
+        self.cpu_tables: dict[int, list[int]] = {}
 
     # --- admission ------------------------------------------------------------------------------
     def lookup(self, seq: Sequence) -> PrefixHit:
@@ -57,8 +65,10 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Could the sequence be admitted with its cached prefix plus num_new_tokens more tokens, leaving the
         watermark's blocks free for the running sequences to grow into? (Admitting into the last free
-        blocks only preempts someone a few steps later, and recomputes its tokens.) An idle pool admits
-        whatever fits: the watermark must never keep a request out for good."""
+        blocks only preempts someone a few steps later, and recomputes its tokens.) Exactly: stage 4's
+        can_allocate, and, unless no device block is in use, num_free_blocks - ceil(num_new_tokens /
+        block_size) >= watermark_blocks. An idle pool admits whatever fits: the watermark must never keep
+        a request out for good."""
         if not self.kv.can_allocate(seq.token_ids, num_new_tokens, hit):
             return False
         held = self.kv.allocator.num_used > 0
@@ -71,6 +81,8 @@ class BlockManager:
 
     # --- growth ---------------------------------------------------------------------------------
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Stage 4's can_append: are there blocks for num_new_tokens more, a pending copy-on-write included?
+        (No watermark: it only holds back admissions.)"""
         return self.kv.can_append(seq.seq_id, num_new_tokens)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
@@ -91,13 +103,16 @@ class BlockManager:
         self.kv.fork(parent.seq_id, child.seq_id)
 
     def has_blocks(self, seq: Sequence) -> bool:
+        """Does it hold device blocks (admitted or swapped in, and not freed, preempted or swapped out)?"""
         return seq.seq_id in self.kv.seqs
 
     def block_ids(self, seq: Sequence) -> list[int]:
+        """Its block table: device blocks in logical order."""
         return self.kv.block_ids(seq.seq_id)
 
     def free(self, seq: Sequence) -> None:
-        """Give back everything the sequence holds, on the device or in the swap pool."""
+        """Give back everything the sequence holds, on the device or in the swap pool (if it holds
+        nothing, nothing happens: a waiting sequence can be finished)."""
         if seq.seq_id in self.kv.seqs:
             self.kv.free(seq.seq_id)
         for block in self.cpu_tables.pop(seq.seq_id, []):
@@ -105,10 +120,12 @@ class BlockManager:
 
     # --- swapping (preemption_mode="swap") -------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
+        """Is there a swap pool with a free CPU block for each of its device blocks?"""
         return self.cpu is not None and len(self.kv.block_ids(seq.seq_id)) <= self.cpu.num_free
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move the sequence's blocks to the CPU pool. Returns (device block, CPU block) copies."""
+        """Move the sequence's blocks to the CPU pool: a CPU block for each device block, in logical order;
+        its device blocks are freed at once. Returns the (device block, CPU block) copies."""
         device_blocks = self.kv.block_ids(seq.seq_id)
         cpu_blocks = [self.cpu.allocate() for _ in device_blocks]
         self.kv.free(seq.seq_id)  # freed now, copied out first thing in this step: nobody writes before
@@ -142,6 +159,7 @@ class BlockManager:
     # --- accounting -----------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
+        """Free device blocks (cached ones included, as in stage 4)."""
         return self.kv.num_free_blocks
 
     def live_usage(self) -> tuple[float, int, int]:
@@ -165,6 +183,7 @@ class BlockManager:
         return (filled / (used * bs) if used else 0.0), used, refs - used
 
     def stats(self) -> dict[str, float]:
+        """Stage 4's stats() keys, plus num_swapped_blocks: the CPU blocks the swapped sequences hold."""
         s = self.kv.stats()
         s["num_swapped_blocks"] = sum(len(b) for b in self.cpu_tables.values())
         return s
@@ -175,6 +194,8 @@ class BlockManager:
             self.cpu is None or self.cpu.num_used == 0)
 
     def check_invariants(self) -> None:
+        """Stage 4's invariants of the device pool, and the swap pool's: the CPU blocks of the swapped
+        sequences are distinct and are exactly its used blocks. AssertionError when one is broken."""
         self.kv.check_invariants()
         if self.cpu is not None:
             held = sorted(b for blocks in self.cpu_tables.values() for b in blocks)

@@ -135,29 +135,59 @@ class _Step:
 
 
 class Scheduler:
+    """The queues of sequences and the step contract's two writers: `schedule()` and `update()`.
+    The engine (`LLMEngine`) calls only the methods below and reads only these attributes."""
+
+    config: SchedulerConfig  # max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode, prefill_first
+    block_manager: BlockManager | ContiguousBlockManager  # the engine reads the pool through it (stats, usage)
+    stop_checker: StopChecker  # update's stop rules: the engine replaces it with its own (eos ids, stop strings)
+    waiting: deque[Sequence]  # WAITING: new at the back, preempted by recompute at the front; served first come first
+    running: list[Sequence]  # RUNNING, holding device blocks, in admission order (the last is the first victim)
+    swapped: deque[Sequence]  # SWAPPED: preempted by swap, their K/V in the CPU pool; the oldest first
+    in_flight: deque[SchedulerOutput]  # scheduled and not updated yet, oldest first (1 step; 2 with async scheduling)
+    num_preemptions: int  # every preemption, by recompute or swap, and every idle beam whose blocks were taken back
+    num_swap_outs: int  # ... of which by swap
+    num_generated_tokens: int  # tokens update() appended (a beam's report of its candidates counts one)
+
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager | ContiguousBlockManager,
                  stop_checker: StopChecker | None = None) -> None:
         """stop_checker: the engine's stop rules (max_model_len, eos ids, stop strings); by default max_tokens only."""
         self.config = config
         self.block_manager = block_manager
         self.stop_checker = stop_checker or StopChecker()
-        self.waiting: deque[Sequence] = deque()  # new, or preempted by recompute (at the front)
-        self.running: list[Sequence] = []  # hold device blocks; in admission order
-        self.swapped: deque[Sequence] = deque()  # preempted by swap, oldest first
-        self.in_flight: deque[SchedulerOutput] = deque()  # scheduled, not updated yet (1; 2 with async scheduling)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.in_flight: deque[SchedulerOutput] = deque()
         self.num_preemptions = 0
-        self.num_swap_outs = 0  # preemptions that swapped (the others recomputed)
+        self.num_swap_outs = 0
         self.num_generated_tokens = 0
 
     def add(self, seq: Sequence) -> None:
+        """A new sequence joins the back of the waiting queue, WAITING."""
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
+        """Is any sequence waiting, running or swapped?"""
         return bool(self.waiting or self.running or self.swapped)
 
     # --- the step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """The next step's work: at most config.max_num_batched_tokens tokens (decodes count 1 each) and
+        config.max_num_seqs sequences, in three passes (the module docstring says why):
+        1. running, in admission order: every decode, then each partly prefilled prompt's next chunk.
+           One that needs a block when none is free first takes back an idle beam's blocks, then preempts
+           the most recently admitted running sequence not scheduled in this step (none: itself), by
+           recompute (blocks freed, num_computed_tokens = 0, to the *front* of waiting) or by swap (blocks
+           to the CPU pool, to swapped; recompute when the swap pool is full). Each goes to out.preempted.
+        2. swapped, oldest first, back to running, unless this step preempted;
+        3. waiting, first come first served (the first that does not fit stops the queue), unless this
+           step preempted or a sequence is swapped out: its prompt minus its prefix-cache hit, cut to the
+           budget left (chunked prefill) or whole or not at all (enable_chunked_prefill=False).
+        With prefill_first, pass 3 runs first and a step that admits a prompt runs nothing else.
+        Each scheduled sequence's num_computed_tokens (and placeholder) moves at once; a non-empty output
+        joins in_flight until its update()."""
         prev = self.in_flight[-1] if self.in_flight else None  # async: its tokens are not known yet
         prev_index = {seq.seq_id: i for i, seq in enumerate(prev.sampling_seqs())} if prev is not None else None
         step = _Step(self.config.max_num_batched_tokens, prev_index)
@@ -312,7 +342,9 @@ class Scheduler:
     # --- after the step -------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: SampledTokens) -> list[SequenceGroup]:
         """Apply the step's sampled tokens (in the order of out.sampling_seqs()) to its sequences: the
-        one writer of what a step produced. Returns the requests that advanced, in batch order."""
+        one writer of what a step produced (append, fork, stop rules, finish). Steps are updated in the
+        order schedule() returned them (RuntimeError otherwise). Returns the requests that advanced, in
+        batch order."""
         if not self.in_flight or self.in_flight[0] is not out:
             raise RuntimeError("update() takes the scheduled steps in the order schedule() returned them")
         self.in_flight.popleft()
