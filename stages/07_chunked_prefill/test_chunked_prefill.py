@@ -1,10 +1,11 @@
 """Stage 7 — the token budget: chunked prefill mixed with decodes, one lesson step per test, in order.
 
-Steps 1–5 drive your scheduler by hand (no model; `advance()` plays the model runner and hands its
-tokens to your `update`). Step 6 builds one mixed step's attention metadata with the (given) model
-runner from your scheduler's output; step 7 runs the reference engine around your scheduler on a real
-model, at three budgets. Step 8 is vLLM v0's policy; step 9 schedules a step before the previous
-one's tokens are known (async scheduling).
+Steps 1–6 drive your scheduler by hand (no model; `advance()` plays the model runner and hands its
+tokens to your `update`) over the reference block manager. Step 7 builds one mixed step's attention
+metadata with the (given) model runner from your scheduler's output; step 8 runs the reference engine
+around your scheduler on a real model, at three budgets. Step 9 is vLLM v0's policy; step 10 schedules
+a step before the previous one's tokens are known (async scheduling). Messages name sequences by their
+ids (a: 1, b: 2, ...).
 
 Run: pytest stages -m stage7 (add --impl PKG to grade your own package).
 """
@@ -16,11 +17,12 @@ from types import SimpleNamespace
 import torch
 
 from pagedref import DEFAULT_MODEL, LLM
-from pagedref.course import lesson
+from pagedref.course import lesson, raises
 from pagedref.engine.block_manager import BlockManager
+from pagedref.engine.config import EngineArgs
 from pagedref.engine.model_runner import ModelRunner
 from pagedref.engine.sampling import SamplerOutput, SamplingParams
-from pagedref.engine.sequence import Sequence, SequenceStatus
+from pagedref.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 # Your scheduler: stage 6 built it, this stage adds the token budget. The rest is given.
 sched_mod = lesson("pagedref.engine.scheduler")
@@ -44,6 +46,7 @@ def advance(s, out) -> list[int]:
 
 
 def batch(out) -> list[tuple[int, int]]:
+    """The step's batch as (sequence id, tokens computed) pairs, in batch order."""
     return [(entry.seq.seq_id, entry.num_new_tokens) for entry in out.scheduled]
 
 
@@ -59,23 +62,38 @@ def test_step1_a_long_prompt_is_split_into_chunks_of_the_budget():
         sampled.append(advance(s, out))
     assert chunks == [[(1, 16)], [(1, 16)], [(1, 8)]], "stage 7: 40 prompt tokens in a budget of 16: chunks 16, 16, 8"
     assert sampled == [[], [], [1]], "stage 7: only the chunk that completes the prompt samples a token"
+    assert a.num_computed_tokens == 40 and a.output_token_ids == [NEW_TOKEN], "stage 7: the prompt is computed once"
 
 
-def test_step2_decodes_go_first_and_a_prefill_chunk_gets_what_is_left():
+def test_step2_decodes_count_against_the_budget_too():
+    s = make_scheduler(budget=2)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=10)
+    group = SequenceGroup("r1", None, [1, 2], params)  # n=3: 3 sequences decode after the prompt (stage 6)
+    group.seqs = [Sequence(1 + i, "r1", [1, 2], 2, params, i, group=group) for i in range(3)]
+    s.add(group.seqs[0])
+    assert advance(s, s.schedule()) == [1, 2, 3], "stage 7: the 2-token prompt fits the budget: its last row samples 3"
+    out = s.schedule()
+    assert out.num_batched_tokens == 2 and batch(out) == [(1, 1), (2, 1)], \
+        "stage 7: 3 decoders, budget 2: a decode costs 1 token of the budget too, so only 2 decode in this step"
+    assert group.seqs[2].num_uncomputed_tokens == 1 and s.num_requests()["running"] == 1 and s.has_unfinished(), \
+        "stage 7: the third keeps its token to compute for a later step (it stays running)"
+
+
+def test_step3_decodes_go_first_and_a_prefill_chunk_gets_what_is_left():
     s = make_scheduler(budget=8)
     a, b = make_seq(1, [1, 2, 3]), make_seq(2, list(range(20)))
     s.add(a)
     advance(s, s.schedule())
     s.add(b)
     out = s.schedule()
-    assert batch(out) == [(1, 1), (2, 7)], \
+    assert batch(out) == [(1, 1), (2, 7)] and [e.context_len for e in out.scheduled] == [4, 7], \
         "stage 7: a's decode (1 token) first, then 7 of b's 20 prompt tokens: one forward pass mixes both"
     advance(s, out)
     out = s.schedule()
     assert batch(out) == [(1, 1), (2, 7)], "stage 7: a keeps decoding every step while b's prompt streams in"
 
 
-def test_step3_a_partly_prefilled_prompt_continues_before_new_requests_start():
+def test_step4_a_partly_prefilled_prompt_continues_before_new_requests_start():
     s = make_scheduler(budget=8)
     a, b = make_seq(1, list(range(12))), make_seq(2, [5, 6])
     s.add(a)
@@ -85,7 +103,13 @@ def test_step3_a_partly_prefilled_prompt_continues_before_new_requests_start():
     assert batch(out) == [(1, 4), (2, 2)], "stage 7: a's last 4 prompt tokens first, then b fits in what is left"
 
 
-def test_step4_without_chunking_a_prompt_runs_whole_or_waits():
+def test_step5_without_chunking_a_prompt_runs_whole_or_waits():
+    # The engine refuses a budget that cannot hold a whole prompt (LLM checks it through EngineArgs); the
+    # Scheduler itself takes any budget: a prompt longer than it would simply wait.
+    with raises(ValueError, "stage 7: without chunking, LLM refuses a budget below max_model_len",
+                match="max_num_batched_tokens"):
+        EngineArgs(DEFAULT_MODEL, device="cpu", max_model_len=64, max_num_batched_tokens=16,
+                   enable_chunked_prefill=False).create_engine_config()
     s = make_scheduler(budget=16, chunked=False)
     a, b = make_seq(1, [1, 2, 3]), make_seq(2, list(range(16)))
     s.add(a)
@@ -95,10 +119,16 @@ def test_step4_without_chunking_a_prompt_runs_whole_or_waits():
     assert batch(out) == [(1, 1)], "stage 7: unchunked: b's 16 tokens do not fit next to a's decode: b waits whole"
     advance(s, out)
     s.finish(a, SequenceStatus.FINISHED_STOPPED)
-    assert batch(s.schedule()) == [(2, 16)], "stage 7: with the whole budget free, b's prompt runs in one step"
+    out = s.schedule()
+    assert batch(out) == [(2, 16)], "stage 7: with the whole budget free, b's prompt runs in one step"
+    advance(s, out)
+    s.finish(b, SequenceStatus.FINISHED_STOPPED)
+    s.add(make_seq(3, list(range(17))))
+    assert s.schedule().is_empty and s.has_unfinished(), \
+        "stage 7: unchunked, a 17-token prompt never fits a budget of 16: it waits (the engine refuses such a budget)"
 
 
-def test_step5_prefix_cache_hits_skip_tokens_already_computed():
+def test_step6_prefix_cache_hits_skip_tokens_already_computed():
     s = make_scheduler(budget=64, caching=True)
     system = list(range(100, 108))  # two full blocks of 4 shared by both prompts
     a = make_seq(1, system + [1, 2, 3])
@@ -114,10 +144,11 @@ def test_step5_prefix_cache_hits_skip_tokens_already_computed():
     s.add(c)
     out = s.schedule()
     assert out.scheduled[-1].num_computed_tokens == 4 and batch(out)[-1] == (3, 4), \
-        "stage 7: a whole-prompt hit still computes the last block: its last token's logits sample the first new token"
+        "stage 7: a whole-prompt hit still computes the last token (its logits sample the first new token): the " \
+        "lookup covers only whole blocks before it, so c's 8 tokens, 2 full blocks, compute the second again"
 
 
-def test_step6_one_step_one_metadata_for_decodes_and_chunks_together():
+def test_step7_one_step_one_metadata_for_decodes_and_chunks_together():
     s = make_scheduler(budget=8)
     a, b = make_seq(1, [1, 2, 3, 4, 5]), make_seq(2, list(range(20)))
     s.add(a)
@@ -128,17 +159,19 @@ def test_step6_one_step_one_metadata_for_decodes_and_chunks_together():
     runner = ModelRunner(SimpleNamespace(config=config), None, 32, 4, "cpu", torch.float32)  # no block manager: out says it all
     step = runner.prepare(out)
     m = step.meta
-    assert step.input_ids.tolist() == [NEW_TOKEN] + list(range(7)) and step.positions.tolist() == [5] + list(range(7))
+    assert step.input_ids.tolist() == [NEW_TOKEN] + list(range(7)) and step.positions.tolist() == [5] + list(range(7)), \
+        "stage 7: the step's rows: a's sampled token at position 5, then b's tokens 0..6"
     assert m.query_start_loc.tolist() == [0, 1, 8] and m.context_lens.tolist() == [6, 7], \
         "stage 7: per sequence its query rows (1 and 7) and its context after the step (6 and 7 tokens)"
     a_blocks, b_blocks = s.block_manager.block_ids(a), s.block_manager.block_ids(b)
     slot = lambda blocks, p: blocks[p // 4] * 4 + p % 4  # noqa: E731
-    assert m.slot_mapping.tolist() == [slot(a_blocks, 5)] + [slot(b_blocks, p) for p in range(7)]
+    assert m.slot_mapping.tolist() == [slot(a_blocks, 5)] + [slot(b_blocks, p) for p in range(7)], \
+        "stage 7: the slots your scheduler's output carries, a's then b's"
     assert m.block_tables.tolist() == [a_blocks, b_blocks], "stage 7: one block table row per sequence (-1 padded)"
     assert step.sample_rows == [0], "stage 7: only a samples: b's chunk does not finish its prompt"
 
 
-def test_step7_on_a_real_model_every_budget_gives_the_unchunked_logits_bit_for_bit():
+def test_step8_on_a_real_model_every_budget_gives_the_unchunked_logits_bit_for_bit():
     prompts = ["Once upon a time, there was a little girl named Lily.", "The little dog was sad because", "Tom"]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     whole = LLM(DEFAULT_MODEL, device="cpu", max_model_len=64, num_kv_blocks=16, record_logits=True,  # the reference, unchunked
@@ -152,13 +185,10 @@ def test_step7_on_a_real_model_every_budget_gives_the_unchunked_logits_bit_for_b
                 f"stage 7: budget {budget}: {prompt!r} must get the unchunked logits bit for bit"
 
 
-def test_step8_vllm_v0_without_chunking_gives_prompts_steps_of_their_own_and_decodes_wait():
-    try:
+def test_step9_vllm_v0_without_chunking_gives_prompts_steps_of_their_own_and_decodes_wait():
+    with raises(ValueError, "stage 7: chunked prefill schedules decodes first: prefill_first=True with it is refused",
+                match="prefill_first"):
         sched_mod.SchedulerConfig(8, 16, True, "recompute", True)
-    except ValueError as err:
-        assert "prefill_first" in str(err), "stage 7: the error must name prefill_first"
-    else:
-        raise AssertionError("stage 7: chunked prefill schedules decodes first: prefill_first=True with it must raise")
     config = sched_mod.SchedulerConfig(8, 16, False, "recompute", True)  # chunking off, prefill_first on
     s = sched_mod.Scheduler(config, BlockManager(32, 4, max_model_len=64, enable_prefix_caching=False))
     a = make_seq(1, [1, 2, 3])
@@ -174,7 +204,7 @@ def test_step8_vllm_v0_without_chunking_gives_prompts_steps_of_their_own_and_dec
     assert batch(s.schedule()) == [(1, 1), (2, 1), (3, 1)], "stage 7: prefill_first: no prompt waiting, so all decode"
 
 
-def test_step9_the_next_step_is_scheduled_before_this_ones_tokens_are_known():
+def test_step10_the_next_step_is_scheduled_before_this_ones_tokens_are_known():
     s = make_scheduler(budget=16)
     a, b = make_seq(1, [1, 2, 3]), make_seq(2, [4, 5], max_tokens=1)
     s.add(a)
@@ -185,10 +215,11 @@ def test_step9_the_next_step_is_scheduled_before_this_ones_tokens_are_known():
         "(b's first token is its last: max_tokens=1)"
     second = s.schedule()  # before first's tokens are known (async scheduling: the GPU still runs first)
     [entry] = second.scheduled
-    assert (entry.seq, entry.num_computed_tokens, entry.prev_sample_index) == (a, 3, 0), \
+    assert (entry.seq.seq_id, entry.num_computed_tokens, entry.prev_sample_index) == (1, 3, 0), \
         "stage 7: a decodes the token first samples for it (index 0 of first's samples: the runner reads it on the device)"
     s.update(first, SamplerOutput([NEW_TOKEN, NEW_TOKEN]))
     assert a.token_ids[-1] == NEW_TOKEN and a.num_placeholders == 1 and b.status.finish_reason == "length", \
         "stage 7: update resolves first's placeholders in order (second's is still in flight)"
     s.update(second, SamplerOutput([8]))
-    assert a.output_token_ids == [NEW_TOKEN, 8] and a.num_placeholders == 0
+    assert a.output_token_ids == [NEW_TOKEN, 8] and a.num_placeholders == 0, \
+        "stage 7: update(second) appends a's second token in its placeholder's place"
