@@ -203,7 +203,17 @@ class BlockManager:
 
 
 class ContiguousBlockManager:
-    """Stage 1's baseline behind the BlockManager interface: a max-length reservation per sequence."""
+    """Stage 1's baseline behind the BlockManager interface: a max-length reservation per sequence.
+    Each admitted sequence reserves cdiv(max_model_len, block_size) whole blocks, first fit, in one
+    ContiguousKVCache arena of num_blocks * block_size slots (stage 1), so a reservation always holds its
+    sequence's next token: never a preemption, no prefix cache, no sharing, no swapping. ValueError when
+    the pool cannot hold one reservation."""
+
+    block_size: int
+    num_blocks: int
+    blocks_per_seq: int  # one reservation: cdiv(max_model_len, block_size) blocks
+    arena: ContiguousKVCache  # stage 1's cache, its reservations keyed by seq_id (max_model_len: a reservation)
+    cpu: None  # no swap pool
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         self.block_size = block_size
@@ -215,52 +225,65 @@ class ContiguousBlockManager:
         self.cpu = None
 
     def lookup(self, seq: Sequence) -> PrefixHit:
-        return PrefixHit([], [], self.block_size)  # no prefix caching: the reservation is private
+        """An empty hit: a reservation is private, nothing is cached."""
+        return PrefixHit([], [], self.block_size)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Is there a hole for one whole reservation (first fit)?"""
         return self.arena.find_hole(self.arena.max_model_len) is not None
 
     def allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> tuple[int, list[int]]:
+        """Reserve, and give the reservation's first slots to num_new_tokens. Returns (0, their slots)."""
         self.arena.admit(seq.seq_id)
         return 0, list(self.arena.append(seq.seq_id, num_tokens=num_new_tokens))  # the reservation's own slots
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Do num_new_tokens more fit in its reservation? (Always, below max_model_len.)"""
         r = self.arena.reservations[seq.seq_id]
         return r.num_tokens + num_new_tokens <= r.capacity  # always, below max_model_len: never preempts
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """The reservation's next slots; never a copy."""
         return list(self.arena.append(seq.seq_id, num_tokens=num_new_tokens)), []
 
     def set_token(self, seq: Sequence, pos: int) -> None:
-        pass  # nothing is cached by content here
+        """Nothing to do: nothing is cached by content."""
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
+        """ValueError: a reservation cannot be shared."""
         raise ValueError("kv_cache='contiguous' (the stage 1 baseline) cannot share blocks: use kv_cache='paged'")
 
     def has_blocks(self, seq: Sequence) -> bool:
+        """Does it hold a reservation?"""
         return seq.seq_id in self.arena.reservations
 
     def block_ids(self, seq: Sequence) -> list[int]:
+        """The consecutive blocks of its reservation that its tokens occupy so far."""
         r = self.arena.reservations[seq.seq_id]
         first = r.start // self.block_size
         return list(range(first, first + cdiv(r.num_tokens, self.block_size)))
 
     def free(self, seq: Sequence) -> None:
+        """Release its reservation, if it holds one."""
         if seq.seq_id in self.arena.reservations:
             self.arena.release(seq.seq_id)
 
     def can_swap_out(self, seq: Sequence) -> bool:
+        """False: there is no swap pool (preemption would recompute; a reservation never needs it)."""
         return False
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no reservation holds (stage 1's free slots // block_size)."""
         return self.arena.usage().free // self.block_size
 
     def live_usage(self) -> tuple[float, int, int]:
+        """(stage 1's token_state_fraction, reserved blocks, 0)."""
         u = self.arena.usage()
         return u.token_state_fraction, (u.total - u.free) // self.block_size, 0
 
     def stats(self) -> dict[str, float]:
+        """BlockManager.stats()'s keys: the reserved blocks are used, nothing is shared, cached or swapped."""
         u = self.arena.usage()
         reserved_blocks = (u.total - u.free) // self.block_size
         return {
@@ -275,8 +298,10 @@ class ContiguousBlockManager:
         }
 
     def all_free(self) -> bool:
+        """No reservation left."""
         return not self.arena.reservations
 
     def check_invariants(self) -> None:
+        """Stage 1's accounting adds up (token states + reserved + internal fragmentation + free == total)."""
         u = self.arena.usage()
         assert u.token_states + u.reserved + u.internal_fragmentation + u.free == u.total
