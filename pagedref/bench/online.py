@@ -291,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     m.add_argument("--num-kv-blocks", type=int, default=4096, help=f"the KV pool in blocks of {BLOCK_SIZE} tokens (bench serve's)")
     m.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    m.add_argument("--max-num-seqs", type=int, default=256)
+    m.add_argument("--max-num-seqs", type=int, default=None,
+                   help="default: the engine's (1024 on a GPU of >= 70 GiB, as vLLM's; 256 otherwise)")
     m.add_argument("--max-num-batched-tokens", type=int, default=None)
     m.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False)
     m.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()),
@@ -327,9 +328,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
         parser.error(f"--model {args.model}: not a model directory (no config.json)")
     if args.num_prompts is None:
         args.num_prompts = NUM_PROMPTS if device == "cuda" else 100
-    for flag in ("num_prompts", "max_num_seqs", "num_kv_blocks"):
+    for flag in ("num_prompts", "num_kv_blocks"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        parser.error(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     for flag in ("input_len", "output_len", "max_concurrency", "max_num_batched_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")

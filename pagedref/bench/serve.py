@@ -109,7 +109,7 @@ class Result:
 # --------------------------------------------------------------------------------- (a), (b): pagedref
 
 
-def engine_args(device: str, dtype: str, num_kv_blocks: int | None, max_num_seqs: int, max_num_batched_tokens: int | None,
+def engine_args(device: str, dtype: str, num_kv_blocks: int | None, max_num_seqs: int | None, max_num_batched_tokens: int | None,
                 gpu_memory_utilization: float, enforce_eager: bool = False) -> dict[str, Any]:
     return dict(device=device, dtype=dtype, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks or None,
@@ -395,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-blocks", type=int, default=4096,
                    help=f"the KV budget in blocks of {BLOCK_SIZE} tokens, for every system (0 = profile from --gpu-memory-utilization)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="default: the engine's (1024 on a GPU of >= 70 GiB, as vLLM's; 256 otherwise)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's token budget per step (default: the engine's)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                    help="pagedref and contiguous issue every step's launches eagerly instead of replaying CUDA graphs "
@@ -467,9 +468,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
         args.hf_time_limit = 30.0 if args.quick else 100.0
     if args.hf_time_limit <= 0:
         parser.error(f"--hf-time-limit must be > 0, got {args.hf_time_limit}")
-    for flag in ("num_prompts", "max_num_seqs", "hf_batch_size"):
+    for flag in ("num_prompts", "hf_batch_size"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        parser.error(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     for flag in ("input_len", "output_len", "max_num_batched_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
