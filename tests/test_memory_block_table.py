@@ -95,6 +95,20 @@ class BlockTableMachine(RuleBasedStateMachine):
         assert (list(t.block_ids), t.num_tokens, self.alloc.num_free) == before, "a refused append changed the table"
 
     @precondition(lambda self: self.tables)
+    @rule(i=st.integers(0, 10**6), cut=st.integers(0, 10**6))
+    def truncate(self, i, cut):
+        """Shrink a table (speculative decoding's rollback): whole blocks past the new end go back, last first."""
+        sid = sorted(self.tables)[i % len(self.tables)]
+        t = self.tables[sid]
+        keep = cut % (t.num_tokens + 1)
+        ids, tail = list(t.block_ids), list(self.alloc.free_list)
+        dropped = t.truncate(keep)
+        assert dropped == ids[cdiv(keep, self.alloc.block_size):] and t.block_ids == ids[:len(ids) - len(dropped)]
+        assert list(self.alloc.free_list) == tail + dropped[::-1], "truncate frees the dropped blocks, last first"
+        with pytest.raises(ValueError):
+            t.truncate(t.num_tokens + 1)
+
+    @precondition(lambda self: self.tables)
     @rule(i=st.integers(0, 10**6))
     def free(self, i):
         sid = sorted(self.tables)[i % len(self.tables)]

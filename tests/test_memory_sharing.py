@@ -225,6 +225,20 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.pending[child] = []
         self.history.append(list(self.tokens[parent]))
 
+    @precondition(lambda self: any(not p for p in self.pending.values()))
+    @rule(i=st.integers(0, 10**6), cut=st.integers(0, 10**6))
+    def truncate(self, i, cut):
+        """Speculative decoding's rollback: keep the first tokens, drop the references past them. The
+        invariants then check that no cache entry points at a block whose tail is rewritten after."""
+        seq = self.pick(i, ready_only=True)
+        keep = cut % (len(self.tokens[seq]) + 1)
+        ids, refs = list(self.kv.block_ids(seq)), self.references()
+        dropped = self.kv.truncate(seq, keep)
+        assert dropped == ids[cdiv(keep, self.bs):] and self.kv.block_ids(seq) == ids[:cdiv(keep, self.bs)]
+        for b in set(dropped):
+            assert self.kv.allocator.ref_count(b) == refs[b] - dropped.count(b), "one reference dropped per block"
+        self.tokens[seq] = self.tokens[seq][:keep]
+
     @precondition(lambda self: self.tokens)
     @rule(i=st.integers(0, 10**6))
     def free(self, i):

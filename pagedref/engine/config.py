@@ -103,6 +103,61 @@ class CacheConfig:
     kv_cache: str = "paged"  # or "contiguous" (stage 1's reservations: the serving benchmark's baseline)
 
 
+SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`; `pagedref.engine.spec_decode`): each step a
+    decoding sequence brings k draft tokens, and the target scores the k + 1 positions in one pass.
+
+    - `{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": m, "prompt_lookup_min": 1}`:
+      prompt lookup, the continuation of the latest earlier match of the sequence's last tokens in its own
+      text (vLLM's rule for the lengths: neither given, both 5; one given, the other equals it);
+    - `{"model": DRAFT_DIR, "num_speculative_tokens": k}` (method "draft_model"): a smaller model with the
+      target's vocabulary, its own paged KV pool and block tables."""
+
+    method: str  # "ngram" or "draft_model"
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None  # the draft model's directory (method "draft_model")
+
+    @classmethod
+    def from_dict(cls, config: "dict[str, Any] | SpeculativeConfig") -> "SpeculativeConfig":
+        """vLLM's dict: every key checked, the method resolved ("model" alone means a draft model)."""
+        if isinstance(config, SpeculativeConfig):
+            return config
+        if not isinstance(config, dict):
+            raise TypeError(f"speculative_config must be a dict (vLLM's keys), got {config!r}")
+        unknown = sorted(set(config) - set(SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown} (known: {', '.join(SPECULATIVE_KEYS)})")
+        method = config.get("method") or ("draft_model" if config.get("model") else None)
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config: method must be 'ngram' or 'draft_model' (or give a draft 'model'), "
+                             f"got {config.get('method')!r}")
+        if "num_speculative_tokens" not in config:
+            raise ValueError("speculative_config: num_speculative_tokens is required (the k draft tokens per step)")
+        check_positive("speculative_config num_speculative_tokens", config["num_speculative_tokens"])
+        lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+        if method == "ngram":
+            if config.get("model") is not None:
+                raise ValueError("speculative_config: method 'ngram' takes no draft 'model'")
+            lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+            check_positive("speculative_config prompt_lookup_min", lo)
+            check_positive("speculative_config prompt_lookup_max", hi)
+            if lo > hi:
+                raise ValueError(f"speculative_config: prompt_lookup_min={lo} > prompt_lookup_max={hi}")
+        else:
+            if not config.get("model"):
+                raise ValueError("speculative_config: method 'draft_model' needs the draft's 'model' directory")
+            if lo is not None or hi is not None:
+                raise ValueError("speculative_config: prompt_lookup_min/max belong to method 'ngram'")
+        return cls(method, config["num_speculative_tokens"], hi, lo,
+                   None if method == "ngram" else str(config["model"]))
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
@@ -135,6 +190,7 @@ class EngineConfig:
     compilation: CompilationConfig
     scheduler_cls: type | None  # None: pagedref's Scheduler / BlockManager (the course grades a learner's with them)
     block_manager_cls: type | None
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -172,6 +228,7 @@ class EngineArgs:
     prefill_first: bool = False
     max_logprobs: int = 20
     async_scheduling: bool | None = None  # None: on with CUDA and one GPU (vLLM's --async-scheduling)
+    speculative_config: dict[str, Any] | None = None  # vLLM's keys: see SpeculativeConfig
 
     def create_engine_config(self) -> EngineConfig:
         """Check every argument (cheap ones first, then those that need the checkpoint's config.json) and
@@ -216,9 +273,12 @@ class EngineArgs:
         if not self.enable_chunked_prefill and budget < max_model_len:
             raise ValueError(f"max_num_batched_tokens={budget} < max_model_len={max_model_len}: "
                              "without chunked prefill a whole prompt must fit in one step")
+        speculative = None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
+        if speculative is not None:
+            check_speculative(speculative, hf_config, max_model_len, tp_size, self.kv_cache, self.async_scheduling)
         async_scheduling = self.async_scheduling
         if async_scheduling is None:  # vLLM's --async-scheduling: what hides the host's time behind the GPU's
-            async_scheduling = device != "cpu" and tp_size == 1
+            async_scheduling = device != "cpu" and tp_size == 1 and speculative is None
         elif async_scheduling and tp_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size=1: the workers would need each step's "
                              "sampled tokens on their own GPUs (tensor parallelism schedules synchronously)")
@@ -231,5 +291,28 @@ class EngineArgs:
             scheduler=scheduler,
             parallel=ParallelConfig(tp_size),
             compilation=CompilationConfig(self.enforce_eager, self.max_seq_len_to_capture, self.max_capture_size),
-            scheduler_cls=self.scheduler_cls, block_manager_cls=self.block_manager_cls,
+            scheduler_cls=self.scheduler_cls, block_manager_cls=self.block_manager_cls, speculative=speculative,
         )
+
+
+def check_speculative(spec: SpeculativeConfig, hf_config, max_model_len: int, tp_size: int, kv_cache: str,
+                      async_scheduling: bool | None) -> None:
+    """What speculative decoding cannot be combined with (yet), refused by name; a draft model must share
+    the target's vocabulary and reach max_model_len. Reads the draft's config.json only."""
+    from pagedref.models import ModelConfig
+
+    if async_scheduling:
+        raise ValueError("speculative_config with async_scheduling=True: a step's drafts follow the tokens the step "
+                         "before accepted, so speculative steps are scheduled synchronously (leave async_scheduling unset)")
+    if tp_size > 1:
+        raise ValueError("speculative_config needs tensor_parallel_size=1 (the draft and the rollback run on one rank)")
+    if kv_cache != "paged":
+        raise ValueError("speculative_config needs kv_cache='paged': rejected tokens give their blocks back")
+    if spec.method == "draft_model":
+        draft = ModelConfig.from_pretrained(spec.model)
+        if draft.vocab_size != hf_config.vocab_size:
+            raise ValueError(f"speculative_config: the draft model's vocab_size={draft.vocab_size} differs from the "
+                             f"target's {hf_config.vocab_size}: the draft must propose the target's token ids")
+        if draft.max_position_embeddings < max_model_len:
+            raise ValueError(f"speculative_config: the draft model's max_position_embeddings="
+                             f"{draft.max_position_embeddings} is less than max_model_len={max_model_len}")

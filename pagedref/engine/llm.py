@@ -115,7 +115,12 @@ class LLMEngine:
             weights = load_model(config.model, device=device, dtype=dtype, batch_invariant=(device == "cpu"),
                                  tp=workers.tp if workers else TPGroup())
             backend = get_backend("reference" if device == "cpu" else "cuda")
-            num_kv_blocks, num_cpu_blocks = _num_blocks(config, weights, backend, workers)
+            spec = config.speculative
+            draft = None
+            if spec is not None and spec.method == "draft_model":  # loaded first: a GPU's profiling counts its weights
+                draft = load_model(spec.model, device=device, dtype=dtype, batch_invariant=(device == "cpu"))
+            draft_block_bytes = 0 if draft is None else kv_block_bytes(draft.config, cache.block_size, dtype)
+            num_kv_blocks, num_cpu_blocks = _num_blocks(config, weights, backend, workers, draft_block_bytes)
             if cache.kv_cache == "paged":
                 block_manager = (config.block_manager_cls or BlockManager)(
                     num_kv_blocks, cache.block_size, config.max_model_len, cache.enable_prefix_caching, num_cpu_blocks)
@@ -133,6 +138,9 @@ class LLMEngine:
                                          min(comp.max_capture_size, sched_config.max_num_batched_tokens)
                                          ) if config.uses_cuda_graphs else None
                 runner = ModelRunner(*runner_args, graphs=graphs)
+            if spec is not None:  # speculative decoding (stage 8): the scheduler asks the proposer for drafts
+                scheduler.proposer = _proposer(spec, draft, backend, num_kv_blocks, cache.block_size, device, dtype,
+                                               config.max_model_len)
             engine = cls(weights, tokenizer, runner, scheduler, config.max_model_len, config.seed, config.record_logits,
                          config.max_logprobs)
         except BaseException:
@@ -344,6 +352,7 @@ class LLMEngine:
         self._preemptions_base = self.scheduler.num_preemptions
         self._swap_outs_base = self.scheduler.num_swap_outs
         self._replays_base = self._graph_replays()  # the runner's count runs on across generate calls
+        self._spec_base = self._spec_counts()
         self._tsf_sum = 0.0
         self._tsf_peak = 0.0
         self._tsf_steps = 0
@@ -369,6 +378,12 @@ class LLMEngine:
             self._tsf_steps += 1
             self._tsf_peak = max(self._tsf_peak, tsf)
 
+    def _spec_counts(self) -> tuple[int, int, int]:
+        """(verified speculative steps, draft tokens, accepted draft tokens) since the scheduler was built
+        (a scheduler without speculative decoding, a learner's, counts none)."""
+        s = self.scheduler
+        return tuple(getattr(s, name, 0) for name in ("num_spec_drafts", "num_draft_tokens", "num_accepted_tokens"))
+
     def _graph_replays(self) -> tuple[int, int]:
         """(decode-graph replays, piecewise-graph replays) since the runner was built."""
         graphs, piecewise = self.runner.graphs, self.runner.piecewise
@@ -376,9 +391,13 @@ class LLMEngine:
 
     def get_stats(self) -> dict[str, Any]:
         """The KV pool now (blocks total/used/free/cached/shared, token-state fraction) and, since the last
-        reset (each `LLM.generate` starts one), the step statistics."""
+        reset (each `LLM.generate` starts one), the step statistics. Speculative decoding's (vLLM's names):
+        spec_num_drafts (a sequence's speculative steps), spec_num_draft_tokens, spec_num_accepted_tokens,
+        spec_acceptance_rate (accepted / draft tokens) and spec_mean_accepted_length (tokens emitted per
+        speculative step, the target's own included: 1 + accepted / drafts); zeros without speculation."""
         stats = dict(self.block_manager.stats())
         decode_replays, piecewise_replays = self._graph_replays()
+        drafts, draft_tokens, accepted = (now - base for now, base in zip(self._spec_counts(), self._spec_base))
         stats.update(
             num_steps=self.num_steps,
             num_preemptions=self.scheduler.num_preemptions - self._preemptions_base,
@@ -398,12 +417,30 @@ class LLMEngine:
             device=self.runner.device.type,  # where the engine runs ("auto" resolved)
             dtype=str(self.dtype).removeprefix("torch."),
             async_scheduling=self.async_scheduling,
+            spec_num_drafts=drafts,
+            spec_num_draft_tokens=draft_tokens,
+            spec_num_accepted_tokens=accepted,
+            spec_acceptance_rate=accepted / draft_tokens if draft_tokens else 0.0,
+            spec_mean_accepted_length=1 + accepted / drafts if drafts else 0.0,
         )
         return stats
 
 
-def _num_blocks(config: EngineConfig, weights, backend, workers) -> tuple[int, int]:
-    """(device KV blocks, CPU swap blocks): exactly num_kv_blocks, or sized from the memory budget."""
+def _proposer(spec, draft, backend, num_blocks: int, block_size: int, device: str, dtype: torch.dtype,
+              max_model_len: int):
+    """The speculative_config's proposer: prompt lookup, or a draft model on its own pool of num_blocks blocks
+    (the target's count: its table never holds more blocks than the target's does), run eagerly."""
+    from pagedref.engine.spec_decode import DraftModelProposer, NgramProposer
+
+    if spec.method == "ngram":
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    runner = ModelRunner(draft, backend, num_blocks, block_size, device, dtype)
+    return DraftModelProposer(runner, num_blocks, spec.num_speculative_tokens, max_model_len)
+
+
+def _num_blocks(config: EngineConfig, weights, backend, workers, draft_block_bytes: int = 0) -> tuple[int, int]:
+    """(device KV blocks, CPU swap blocks): exactly num_kv_blocks, or sized from the memory budget (which a
+    draft model's pool of as many blocks shares, draft_block_bytes each)."""
     cache, sched = config.cache, config.scheduler
     tp_size = config.parallel.tensor_parallel_size
     block_bytes = kv_block_bytes(config.hf_config, cache.block_size, config.dtype, tp_size)  # one rank's share
@@ -421,6 +458,7 @@ def _num_blocks(config: EngineConfig, weights, backend, workers) -> tuple[int, i
                 num_kv_blocks = workers.profile_num_blocks(profile_num_gpu_blocks, weights, backend, *args)
             else:
                 num_kv_blocks = profile_num_gpu_blocks(weights, backend, *args)
+        num_kv_blocks = num_kv_blocks * block_bytes // (block_bytes + draft_block_bytes)  # the draft's pool: its share
     else:
         where = f"num_kv_blocks={num_kv_blocks}"
     if num_kv_blocks < blocks_per_seq:
@@ -498,6 +536,7 @@ class LLM:
         prefill_first: bool = False,
         max_logprobs: int = 20,
         async_scheduling: bool | None = None,
+        speculative_config: dict[str, Any] | None = None,
     ) -> None:
         args = EngineArgs(**{name: value for name, value in locals().items() if name != "self"})
         self.llm_engine = LLMEngine.from_engine_args(args)

@@ -53,7 +53,8 @@ from pagedref.backends.metadata import AttentionMetadata
 from pagedref.engine.config import GiB, MiB  # noqa: F401 (re-exported)
 from pagedref.engine.cuda_graph import CUDAGraphConfig, DecodeGraphs, PiecewiseGraphs, num_scratch_blocks
 from pagedref.engine.sampling import Sampler, row_logprobs
-from pagedref.engine.scheduler import SchedulerOutput
+from pagedref.engine.scheduler import ScheduledSequence, SchedulerOutput
+from pagedref.engine.spec_decode import RejectionSampler, SpecTokens
 from pagedref.engine.sequence import Logprob, Sequence
 from pagedref.memory.block_table import cdiv
 
@@ -91,6 +92,8 @@ class StepInput:
     host_meta: AttentionMetadata | None = None  # the same on the CPU, for host-side checks (CUDA)
     prompt_rows: list[int] | None = None  # rows whose logits give prompt logprobs (sequences that ask for them)
     prompt_spans: list[tuple[Sequence, int, int]] | None = None  # (seq, first prompt position predicted, count)
+    spec_rows: list[int] | None = None  # speculative decoding: every row of each speculating sequence (k + 1 each)
+    spec_entries: list[ScheduledSequence] | None = None  # ... those sequences, in batch order
 
 
 class ModelRunnerOutput:
@@ -99,12 +102,18 @@ class ModelRunnerOutput:
     `logprobs` and `logits` are their host views, computed when first read (they wait for the device)."""
 
     def __init__(self, tokens: torch.Tensor, logits: torch.Tensor | None, rows: list[int], seqs: list[Sequence],
-                 prompt_logits: torch.Tensor | None = None, prompt_spans: list[tuple[Sequence, int, int]] | None = None) -> None:
+                 prompt_logits: torch.Tensor | None = None, prompt_spans: list[tuple[Sequence, int, int]] | None = None,
+                 spec_tokens: torch.Tensor | None = None, spec_entries: list[ScheduledSequence] | None = None,
+                 spec_offset: int = 0) -> None:
+        """spec_tokens [sum(k + 1)]: the speculating entries' row tokens; their logits are rows spec_offset..
+        of `logits` (after the sampling rows)."""
         self.token_tensor = tokens  # [S] int64, on the device
         self._rows, self._seqs = rows, seqs
         self._prompt_logits, self._prompt_spans = prompt_logits, prompt_spans  # [P, vocab]: rows in span order
+        self._spec_tokens, self._spec_entries, self._spec_offset = spec_tokens, spec_entries or [], spec_offset
         # the step's logits [R, vocab] outlive it only where a sequence reads them (logprobs, recorded logits)
-        wanted = any(seq.params.logprobs is not None or seq.logits is not None for seq in seqs)
+        wanted = any(seq.params.logprobs is not None or seq.logits is not None
+                     for seq in seqs + [e.seq for e in self._spec_entries])
         self._logits = logits if wanted else None
         self._event = None
         if tokens.device.type == "cuda":  # the host copy goes in the background; token_ids waits for it
@@ -144,6 +153,24 @@ class ModelRunnerOutput:
         return out
 
     @functools.cached_property
+    def spec(self) -> list[SpecTokens] | None:
+        """Per speculating entry, in batch order: its k + 1 rows' tokens (and logprobs, logits where asked)."""
+        if not self._spec_entries:
+            return None
+        tokens = self._spec_tokens.tolist()  # (the synchronous loop: speculation never runs ahead of the device)
+        out, row, first = [], 0, self._spec_offset
+        for e in self._spec_entries:
+            n, seq = e.num_draft_tokens + 1, e.seq
+            ids = tokens[row:row + n]
+            rows = range(first + row, first + row + n)
+            logprobs = None if seq.params.logprobs is None else [
+                row_logprobs(self._logits[r], t, seq.params.logprobs) for r, t in zip(rows, ids)]
+            logits = None if seq.logits is None else [self._logits[r].detach().cpu().clone() for r in rows]
+            out.append(SpecTokens(ids, logprobs, logits))
+            row += n
+        return out
+
+    @functools.cached_property
     def logits(self) -> list[torch.Tensor | None] | None:
         """Each sampled token's logits row [vocab] float32 on the CPU, where the sequence records them."""
         if all(seq.logits is None for seq in self._seqs):
@@ -170,6 +197,7 @@ class ModelRunner:
         self.cpu_caches = allocate_kv_caches(model.config, num_cpu_blocks, block_size, dtype, "cpu", pin, tp_size) \
             if num_cpu_blocks else []
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()  # speculative decoding's: the rows of speculating sequences
         self.graphs = self.piecewise = None
         if graphs is not None:
             self.graphs = DecodeGraphs(model, backend, self.kv_caches, block_size, graphs.max_num_seqs, graphs.max_model_len,
@@ -198,15 +226,23 @@ class ModelRunner:
             start.record()
         step = self.prepare(sched, prev)
         hidden = self.run_model(step.input_ids, step.positions, step.meta, sched, step.host_meta)  # [T, hidden]
-        if step.sample_rows:
-            logits = self.model.compute_logits(hidden.index_select(0, self._upload(step.sample_rows)))  # [R, vocab]
+        rows = step.sample_rows + step.spec_rows if step.spec_rows else step.sample_rows
+        if rows:
+            logits = self.model.compute_logits(hidden.index_select(0, self._upload(rows)))  # [R (+ spec rows), vocab]
         else:
             logits = hidden.new_empty((0, 0))
-        tokens = self.sampler.sample_tokens(logits, step.logit_rows, step.sample_seqs, self._upload)
+        spec_tokens = None
+        if step.spec_rows:  # speculative decoding: the rows after the R sampling ones are verified, not sampled
+            r = len(step.sample_rows)
+            spec_tokens = self.rejection_sampler(logits[r:], step.spec_entries, self._upload)
+            tokens = self.sampler.sample_tokens(logits[:r], step.logit_rows, step.sample_seqs, self._upload)
+        else:
+            tokens = self.sampler.sample_tokens(logits, step.logit_rows, step.sample_seqs, self._upload)
         prompt_logits = None
         if step.prompt_rows:  # prompt_logprobs: the logits of the prompt rows that predict a prompt token
             prompt_logits = self.model.compute_logits(hidden.index_select(0, self._upload(step.prompt_rows)))
-        out = ModelRunnerOutput(tokens, logits, step.logit_rows, step.sample_seqs, prompt_logits, step.prompt_spans)
+        out = ModelRunnerOutput(tokens, logits, step.logit_rows, step.sample_seqs, prompt_logits, step.prompt_spans,
+                                spec_tokens, step.spec_entries, len(step.sample_rows))
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -222,6 +258,7 @@ class ModelRunner:
         ids, positions, slots, query_lens, context_lens, tables = [], [], [], [], [], []
         sample_rows, logit_rows, sample_seqs, in_flight_rows, in_flight_src = [], [], [], [], []
         prompt_rows, prompt_spans = [], []
+        spec_rows, spec_entries = [], []
         num_rows = 0
         for s in sched.scheduled:
             n, start = s.num_new_tokens, s.num_computed_tokens
@@ -249,6 +286,9 @@ class ModelRunner:
                 logit_rows.extend([len(sample_rows)] * len(s.sample_seqs))
                 sample_rows.append(num_rows - 1)
                 sample_seqs.extend(s.sample_seqs)
+            elif s.num_draft_tokens:  # speculative decoding: every one of its k + 1 rows is scored
+                spec_rows.extend(range(num_rows - n, num_rows))
+                spec_entries.append(s)
         # [num_seqs, max_blocks] int32, rows padded with -1: every table's ids in one go, in row order
         # (one boolean-mask assignment instead of a numpy call per sequence)
         lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
@@ -264,12 +304,13 @@ class ModelRunner:
                 context_lens=torch.tensor(context_lens, dtype=torch.int32), block_tables=torch.from_numpy(block_tables),
                 max_query_len=max(query_lens), max_context_len=max(context_lens), block_size=self.block_size),
             sample_rows=sample_rows, logit_rows=logit_rows, sample_seqs=sample_seqs, prompt_rows=prompt_rows,
-            prompt_spans=prompt_spans)
+            prompt_spans=prompt_spans, spec_rows=spec_rows, spec_entries=spec_entries)
         if self.device.type == "cpu":
             step = host
         else:
             step = StepInput(self._upload(host.input_ids), self._upload(host.positions), self._upload_meta(host.meta),
-                             sample_rows, logit_rows, sample_seqs, host.meta, prompt_rows, prompt_spans)
+                             sample_rows, logit_rows, sample_seqs, host.meta, prompt_rows, prompt_spans, spec_rows,
+                             spec_entries)
         if in_flight_rows:
             tokens = prev.token_tensor.index_select(0, self._upload(in_flight_src))
             step.input_ids.index_copy_(0, self._upload(in_flight_rows), tokens)

@@ -47,6 +47,7 @@ class SamplerOutput:
     logprobs: list[tuple[float, dict[int, Logprob]] | None] | None = None  # where the sequence asked for logprobs
     logits: list[torch.Tensor | None] | None = None  # [vocab] float32 on the CPU, where the sequence records them
     prompt_logprobs: list[tuple[Sequence, int, list[dict[int, Logprob]]]] | None = None  # (seq, first position, per token)
+    spec: list | None = None  # speculative decoding: per speculating entry, its rows' tokens (`spec_decode.SpecTokens`)
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -96,6 +97,19 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams, generators: list[t
     """`sample_row` for several rows [rows, vocab] with the same (non-greedy) params, as whole-batch ops.
     Each op acts on every row separately, so row i gives what `sample_row(logits[i], params,
     generators[i])` gives. `race` (E ~ Exp(1), [rows, vocab]) may be drawn already (see Sampler)."""
+    probs = processed_probs(logits, params)
+    if race is None:
+        race = torch.empty_like(probs)
+        for row, generator in zip(race, generators):  # one stream per sequence: never batched
+            row.exponential_(generator=generator)
+    return (probs / race).argmax(-1)  # [rows] int64, on the logits' device (no host sync)
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a (non-greedy) sample is drawn from, per row of logits [rows, vocab]: softmax at the
+    temperature, then the min_p, top_k and top_p masks (left unnormalised: the race needs no sum). The
+    sampler's own ops, so speculative decoding's rejection sampler holds the target (and a draft model)
+    to exactly the distribution an ordinary step samples from."""
     probs = torch.softmax(logits / params.temperature, dim=-1)  # [rows, vocab]
     if params.min_p > 0:
         probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
@@ -110,11 +124,7 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams, generators: list[t
         total = torch.stack([row.sum() for row in sorted_probs]).unsqueeze(-1)  # [rows, 1]
         drop = mass_before >= params.top_p * total
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-    if race is None:
-        race = torch.empty_like(probs)
-        for row, generator in zip(race, generators):  # one stream per sequence: never batched
-            row.exponential_(generator=generator)
-    return (probs / race).argmax(-1)  # [rows] int64, on the logits' device (no host sync)
+    return probs
 
 
 class Sampler:

@@ -85,6 +85,8 @@ class ScheduledSequence:
     slot_mapping: list[int]  # one slot per new token, from the memory layer
     sample_seqs: list[Sequence]  # who samples from its last row ([]: a prefill chunk)
     prev_sample_index: int = -1  # >= 0: its input is the token sampled at this index of the step still in flight
+    num_draft_tokens: int = 0  # > 0: speculative decoding, token_ids = [its last token, k drafts]; update() verifies
+    draft_probs: torch.Tensor | None = None  # [k, vocab]: the distributions the drafts were drawn from (None: one-hot)
 
     @property
     def context_len(self) -> int:
@@ -122,6 +124,7 @@ class SampledTokens(Protocol):
     logprobs: list[tuple[float, dict[int, Logprob]] | None] | None  # where the sequence asked for logprobs
     logits: list[torch.Tensor | None] | None  # [vocab] float32 on the CPU, where the sequence records them
     prompt_logprobs: list[tuple[Sequence, int, list[dict[int, Logprob]]]] | None  # (seq, first position, per token)
+    spec: list | None  # speculative decoding: per speculating entry, in batch order, its rows' tokens (`SpecTokens`)
 
 
 @dataclass
@@ -148,6 +151,10 @@ class Scheduler:
     num_preemptions: int  # every preemption, by recompute or swap, and every idle beam whose blocks were taken back
     num_swap_outs: int  # ... of which by swap
     num_generated_tokens: int  # tokens update() appended (a beam's report of its candidates counts one)
+    proposer: object | None  # speculative decoding (stage 8, `pagedref.engine.spec_decode`): drafts; None: off
+    num_spec_drafts: int  # speculative steps of a sequence that update() verified
+    num_draft_tokens: int  # ... their draft tokens
+    num_accepted_tokens: int  # ... those the target kept
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager | ContiguousBlockManager,
                  stop_checker: StopChecker | None = None) -> None:
@@ -162,6 +169,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_generated_tokens = 0
+        self.proposer = None
+        self.num_spec_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         """A new sequence joins the back of the waiting queue, WAITING."""
@@ -204,11 +213,22 @@ class Scheduler:
             self.in_flight.append(step.out)
         return step.out
 
-    def _take(self, step: _Step, seq: Sequence, n: int, slots: list[int]) -> None:
-        """Schedule n tokens of seq into their slots: its computed count and placeholders move now."""
+    def _take(self, step: _Step, seq: Sequence, n: int, slots: list[int], draft=None) -> None:
+        """Schedule n tokens of seq into their slots: its computed count and placeholders move now. With a
+        draft (speculative decoding), n - 1 of them are its draft tokens: computed, but counted only once
+        update() accepts them, and no placeholder (the step's tokens are verified, not sampled)."""
         start, tokens = seq.num_computed_tokens, seq.token_ids
         known = len(tokens)
         entry = ScheduledSequence(seq, n, start, tokens[start:start + n], self.block_manager.block_ids(seq), slots, [])
+        if draft is not None:
+            k = entry.num_draft_tokens = n - 1
+            entry.token_ids = entry.token_ids + draft.token_ids[:k]
+            entry.draft_probs = None if draft.probs is None else draft.probs[:k]
+            seq.num_computed_tokens = known
+            step.out.scheduled.append(entry)
+            step.scheduled_ids.add(seq.seq_id)
+            step.budget -= n
+            return
         if start + n > known:  # its last token is in flight: a decode whose input the runner reads on the device
             assert n == 1 and step.prev_index is not None, "only a decode can wait on a token in flight"
             entry.token_ids, entry.prev_sample_index = [0], step.prev_index[seq.seq_id]
@@ -231,6 +251,7 @@ class Scheduler:
             n = seq.num_uncomputed_tokens
             if n:  # (idle: nothing to compute until its token is decided)
                 (prefills if n > 1 else decodes).append(seq)
+        drafts = self._propose(decodes) if self.proposer is not None else {}
         for seq in decodes + prefills:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted above, as someone's victim
@@ -241,6 +262,13 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     continue
                 n = step.budget
+            draft = drafts.get(seq.seq_id)
+            if draft is not None:  # its drafts ride along if the budget and the free blocks have room (never a preemption)
+                k = min(len(draft.token_ids), step.budget - n)
+                if k > 0 and self.block_manager.can_append(seq, n + k):
+                    n += k
+                else:
+                    draft = None
             while not self.block_manager.can_append(seq, n):
                 if self._reclaim_idle(step):  # idle beams give their blocks back first
                     continue
@@ -251,7 +279,7 @@ class Scheduler:
             else:
                 slots, copies = self.block_manager.append_slots(seq, n)
                 out.blocks_to_copy += copies
-                self._take(step, seq, n, slots)
+                self._take(step, seq, n, slots, draft)
 
     def _schedule_swapped(self, step: _Step) -> None:
         """2. Swapped, back in admission order; not in a step that swapped someone out."""
@@ -351,8 +379,14 @@ class Scheduler:
         self._record_prompt_logprobs(sampled.prompt_logprobs)
         token_ids = sampled.token_ids
         advanced: dict[int, SequenceGroup] = {}
-        i = 0
+        i = spec = 0
         for entry in out.scheduled:
+            if entry.num_draft_tokens:  # speculative decoding: the target's verdict on the drafts
+                self._verify(entry, sampled, spec)
+                spec += 1
+                if entry.seq.group is not None:
+                    advanced[id(entry.seq.group)] = entry.seq.group
+                continue
             seqs, first = entry.sample_seqs, i
             i += len(seqs)
             parent = entry.seq
@@ -401,6 +435,59 @@ class Scheduler:
         status = self.stop_checker(seq)
         if status is not None:
             self.finish(seq, status)
+
+    # --- speculative decoding (stage 8: pagedref.engine.spec_decode) -------------------------------
+    def _propose(self, decodes: list[Sequence]) -> dict:
+        """Drafts for the decodes that may speculate: sampling requests (not beams), every token known
+        (synchronous loop), at most num_speculative_tokens and never past max_tokens or max_model_len
+        (the k drafts and the target's own token must fit). seq_id -> its Draft."""
+        seqs, room = [], []
+        k = self.proposer.num_speculative_tokens
+        for seq in decodes:
+            if seq.num_placeholders or (seq.group is not None and seq.group.beam is not None):
+                continue
+            n = k
+            while n and self.stop_checker.ends_by_length(seq, n):
+                n -= 1
+            if n:
+                seqs.append(seq)
+                room.append(n)
+        drafts = self.proposer.propose(seqs, room) if seqs else []
+        return {seq.seq_id: d for seq, d in zip(seqs, drafts) if d is not None and d.token_ids}
+
+    def _verify(self, entry: ScheduledSequence, sampled: SampledTokens, j: int) -> None:
+        """Accept the longest prefix of drafts whose rows chose them, then the next row's token (the
+        correction, or the bonus after all k); roll the rejected drafts' slots back (the block table is
+        truncated, whole blocks return to the pool). Tokens join one by one through the stop rules."""
+        seq, result = entry.seq, sampled.spec[j]
+        drafts, rows = entry.token_ids[1:], result.token_ids
+        accepted = 0
+        while accepted < len(drafts) and rows[accepted] == drafts[accepted]:
+            accepted += 1
+        self.num_spec_drafts += 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += accepted
+        if seq.is_finished:  # aborted while the step ran: its blocks are gone already
+            return
+        known = len(seq.token_ids)
+        self.block_manager.kv.truncate(seq.seq_id, known + accepted)  # keep: its last token and the accepted drafts
+        for r, token in enumerate(rows[:accepted + 1]):
+            seq.token_ids.append(token)
+            if r < accepted:  # an accepted draft: its K/V are in the cache, and now it is a known token
+                seq.num_computed_tokens += 1
+                self.block_manager.set_token(seq, known + r)
+            self.num_generated_tokens += 1
+            if seq.logprobs is not None:
+                logprob, top = result.logprobs[r]
+                self._name_tokens(top)
+                seq.logprobs.append(top)
+                seq.cumulative_logprob += logprob
+            if seq.logits is not None:
+                seq.logits.append(result.logits[r])
+            status = self.stop_checker(seq)
+            if status is not None:
+                self.finish(seq, status)
+                return
 
     def _name_tokens(self, top: dict[int, Logprob]) -> None:
         for token_id, lp in top.items():

@@ -8,6 +8,9 @@ A new block is taken only when the last one is full: at most block_size - 1 slot
 This module is the one place the slot formula lives: `slot_range` (and `BlockTable.slot`); the block
 manager hands the slots it returns to the scheduler, which passes them to the model runner.
 
+The table can shrink too (`truncate`): speculative decoding (stage 8) gives back the slots of the draft
+tokens the target rejected, and whole blocks past the new end return to the pool.
+
 Invariant: len(block_ids) == ceil(num_tokens / block_size); reading the pool through the block table
 gives back exactly the K/V that were written, in logical order, whatever the physical placement —
 so paged attention equals the oracle bit for bit (it gathers the same rows and calls it).
@@ -54,7 +57,8 @@ class BlockTable:
 
     Errors: append_slots raises ValueError for a negative count, MaxModelLenError past max_model_len,
     stage 2's NoFreeBlocksError when the pool cannot supply its blocks, and FreedSequenceError after
-    free(); each leaves the table and the pool unchanged. free() twice raises FreedSequenceError.
+    free(); each leaves the table and the pool unchanged. truncate raises ValueError for a count
+    outside 0..num_tokens. free() twice raises FreedSequenceError.
     """
 
     allocator: BlockAllocator
@@ -100,6 +104,25 @@ class BlockTable:
         start = self.num_tokens
         self.num_tokens += num_new_tokens
         return slot_range(self.block_ids, start, self.num_tokens, self.allocator.block_size) if num_new_tokens else []
+
+    def truncate(self, num_tokens: int) -> list[int]:
+        """Shrink to the first num_tokens tokens (the inverse of append_slots: speculative decoding gives back
+        the slots of rejected tokens). Whole blocks past the new end return to the allocator (one reference
+        each, last first); a partly kept last block stays. Returns the blocks given back.
+
+        Raises ValueError for a num_tokens outside 0..self.num_tokens and FreedSequenceError after free();
+        each leaves the table and the pool unchanged."""
+        if self.freed:
+            raise FreedSequenceError("cannot truncate a sequence whose blocks were freed")
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(f"cannot truncate {self.num_tokens} tokens to {num_tokens}: give 0..{self.num_tokens}")
+        keep = cdiv(num_tokens, self.allocator.block_size)
+        dropped = self.block_ids[keep:]
+        for block_id in reversed(dropped):
+            self.allocator.free(block_id)
+        del self.block_ids[keep:]
+        self.num_tokens = num_tokens
+        return dropped
 
     def free(self) -> None:
         """Return every block (one reference each). Last blocks first: under prefix caching the free

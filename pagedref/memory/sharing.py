@@ -11,6 +11,10 @@ One idea: a block that several sequences need is stored once and counted by refe
   v1 moved to this design because it shares across requests and needs no copying: the only mutable
   block (the partial last one) is never shared.
 
+A sequence can also shrink (`truncate`, speculative decoding's rollback of rejected draft tokens):
+whole blocks past its new end lose its reference, and a kept partial block leaves the cache before
+its tail can be overwritten.
+
 A sequence's newest token may be appended before it is known (`None`: async scheduling appends the
 slot of a token its step is still sampling); a block holding an unknown token is registered in the
 prefix cache once `set_token` names it.
@@ -294,6 +298,27 @@ class KVCacheManager:
             self.allocator.incref(block_id)
         table = BlockTable(self.allocator, self.max_model_len, list(parent.table.block_ids), parent.table.num_tokens)
         self.seqs[child_id] = SequenceBlocks(table, list(parent.token_ids), list(parent.block_hashes))
+
+    def truncate(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Keep only the sequence's first num_tokens tokens (speculative decoding rolls back the slots of
+        rejected draft tokens): the references to whole blocks past the new end are dropped (a block another
+        sequence shares stays held by it; a cached full block stays findable on the free list), and the
+        hashes of blocks no longer full are forgotten. A kept, partly filled last block that was cached leaves
+        the cache: once its other holders (if any) let go, this sequence writes its tail in place. (While it
+        is shared, the next append copies it first, like any shared partial block.) Returns the blocks whose
+        reference was dropped. ValueError for a count outside 0..num_tokens (nothing changes)."""
+        sb = self._get(seq_id)
+        table = sb.table
+        if not 0 <= num_tokens <= table.num_tokens:  # before anything changes: all or nothing
+            raise ValueError(f"cannot truncate sequence {seq_id}'s {table.num_tokens} tokens to {num_tokens}")
+        dropped = table.truncate(num_tokens)
+        del sb.token_ids[num_tokens:]
+        del sb.block_hashes[num_tokens // self.block_size:]
+        if num_tokens % self.block_size:
+            last = table.block_ids[-1]
+            if last in self.allocator.block_hash:
+                self.allocator._evict(last)
+        return dropped
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence's references and remove it from seqs; blocks nobody else holds return to

@@ -202,3 +202,27 @@ def test_step10_a_bad_block_table_is_refused_with_a_clear_error():
         with raises(ba.InvalidBlockError, f"stage 3: write() to slot {slot}, outside the pool's 16 slots, must raise InvalidBlockError"):
             cache.write([slot], kv, kv)
     assert np.isnan(cache.k).all() and np.isnan(cache.v).all(), "stage 3: a refused write must not write anything"
+
+
+def test_step11_truncate_gives_back_the_blocks_past_the_new_end():
+    a = shuffled_allocator(num_blocks=6, block_size=4, seed=5)
+    table = bt.BlockTable(a)
+    table.append_slots(10)  # blocks for tokens 0-3, 4-7, 8-9
+    blocks, free_before = list(table.block_ids), a.num_free
+    assert table.truncate(10) == [] and table.block_ids == blocks, "stage 3: truncate(num_tokens) keeps everything"
+    dropped = table.truncate(5)  # speculative decoding rolls back: tokens 5-9 were rejected drafts
+    assert dropped == blocks[2:] and table.block_ids == blocks[:2] and table.num_tokens == 5, (
+        f"stage 3: truncate(5) on 10 tokens of block_size 4 keeps ceil(5 / 4) = 2 blocks and returns the rest "
+        f"({blocks[2:]}), got {dropped}: the partly kept block {blocks[1]} stays")
+    assert a.num_free == free_before + 1, "stage 3: truncate gives the dropped blocks back to the pool"
+    assert table.append_slots(3) == [table.slot(p) for p in range(5, 8)] and table.block_ids == blocks[:2], \
+        "stage 3: after truncate, the next tokens go into the kept block's free slots"
+    for bad in (-1, 9):
+        with raises(ValueError, f"stage 3: truncate({bad}) on a table of 8 tokens must raise ValueError (0..8 only)"):
+            table.truncate(bad)
+    assert table.num_tokens == 8 and table.block_ids == blocks[:2], "stage 3: a refused truncate changes nothing"
+    assert table.truncate(0) == blocks[:2], "stage 3: truncate returns the dropped blocks in logical order"
+    assert table.block_ids == [] and a.num_free == 6, "stage 3: truncate(0) returns every block to the pool"
+    table.free()
+    with raises(bt.FreedSequenceError, "stage 3: truncate() after free() must raise FreedSequenceError"):
+        table.truncate(0)

@@ -449,3 +449,36 @@ def test_step19_a_token_appended_before_it_is_known_is_registered_once_set_token
     with raises(ValueError, "stage 4: set_token on a token that is known already must raise ValueError"):
         kv.set_token(0, 3, 8)
     holds(kv, "a token was named by set_token")
+
+
+def test_step20_truncate_drops_one_reference_per_block_past_the_new_end():
+    kv = sh.KVCacheManager(num_blocks=8, block_size=4)
+    pool = Pool(kv, 8, 4)
+    pool.admit(0, [1, 2, 3, 4, 5, 6])  # blocks [b0 full, b1 holding 2 of 4]
+    pool.fork(0, 1)  # n = 2: the fork shares both blocks
+    pool.append(1, [7, 8, 9])  # its own copy of b1, then a third block of its own
+    own = list(kv.block_ids(1))
+    refs = list(kv.allocator.ref_counts)
+    dropped = kv.truncate(1, 4)  # speculative decoding's rollback: tokens 4-8 were rejected drafts
+    pool.tokens[1] = pool.tokens[1][:4]
+    assert dropped == own[1:] and kv.block_ids(1) == own[:1], \
+        f"stage 4: truncate(1, 4) keeps the one full block and drops the rest ({own[1:]}), got {dropped}"
+    assert [kv.allocator.ref_counts[b] for b in own] == [refs[own[0]], 0, 0], \
+        "stage 4: one reference dropped per block past the end: the fork's own blocks are free, the shared full one stays"
+    pool.check_reads_own_tokens(0)
+    pool.check_reads_own_tokens(1)
+    assert kv.num_cached_tokens([1, 2, 3, 4, 9]) == 4, "stage 4: a full block kept by truncate stays findable by hash"
+    dropped = kv.truncate(0, 3)  # back into the cached full block b0, which the fork still holds in full
+    pool.tokens[0] = pool.tokens[0][:3]
+    assert kv.num_cached_tokens([1, 2, 3, 4, 9]) == 0, \
+        "stage 4: a cached block kept only partly must leave the cache: its tail is about to be rewritten"
+    copies = pool.append(0, [5, 9])  # b0 is shared with the fork: copy-on-write, the fork keeps its tokens
+    assert len(copies) == 1 and copies[0][0] == own[0], "stage 4: appending into the shared, now partial block copies it first"
+    pool.check_reads_own_tokens(0)
+    pool.check_reads_own_tokens(1)
+    with raises(ValueError, "stage 4: truncate past the sequence's tokens must raise ValueError"):
+        kv.truncate(1, 5)
+    holds(kv, "sequences were truncated")
+    kv.free(0)
+    kv.free(1)
+    assert kv.allocator.num_free == 8, "stage 4: truncated sequences, once freed, leak nothing"
