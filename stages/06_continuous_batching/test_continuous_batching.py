@@ -318,11 +318,11 @@ def test_step13_a_step_that_preempts_admits_nothing():
     for _ in range(5):  # budget 2: a's prompt, then b's in 1-token chunks beside a's decodes; then both decode
         advance(s, s.schedule())
     out = s.schedule()  # b's decode needs its second block: none is free, and a is already scheduled
-    assert ids(out.preempted) == [2] and s.block_manager.num_free_blocks == 1, \
-        "stage 6: b preempts itself and frees its block"
+    assert ids(out.preempted) == [2], "stage 6: b preempts itself (a is already scheduled)"
     assert batch(out) == [(1, 1)] and b.status is seq_mod.SequenceStatus.WAITING, \
         "stage 6: a step that preempted admits no waiting request, not even b, which would fit its 1-token chunk " \
         "into the block it just gave back (preempted and admitted in one step: ping-pong)"
+    assert s.block_manager.num_free_blocks == 1, "stage 6: b's block is free for the next step"
 
 
 def test_step14_idle_beams_give_their_blocks_back_before_anyone_is_preempted():

@@ -87,10 +87,11 @@ def test_step3_decodes_go_first_and_a_prefill_chunk_gets_what_is_left():
     s.add(b)
     out = s.schedule()
     assert batch(out) == [(1, 1), (2, 7)] and [e.context_len for e in out.scheduled] == [4, 7], \
-        "stage 7: a's decode (1 token) first, then 7 of b's 20 prompt tokens: one forward pass mixes both"
+        "stage 7: decodes go first: a's decode (1 token), then 7 of b's 20 prompt tokens: one forward pass mixes both"
     advance(s, out)
     out = s.schedule()
-    assert batch(out) == [(1, 1), (2, 7)], "stage 7: a keeps decoding every step while b's prompt streams in"
+    assert batch(out) == [(1, 1), (2, 7)], \
+        "stage 7: decodes go first: a keeps decoding every step while b's prompt streams in, in what is left"
 
 
 def test_step4_a_partly_prefilled_prompt_continues_before_new_requests_start():
@@ -168,7 +169,7 @@ def test_step7_one_step_one_metadata_for_decodes_and_chunks_together():
     assert m.slot_mapping.tolist() == [slot(a_blocks, 5)] + [slot(b_blocks, p) for p in range(7)], \
         "stage 7: the slots your scheduler's output carries, a's then b's"
     assert m.block_tables.tolist() == [a_blocks, b_blocks], "stage 7: one block table row per sequence (-1 padded)"
-    assert step.sample_rows == [0], "stage 7: only a samples: b's chunk does not finish its prompt"
+    assert step.sample_rows == [0], "stage 7: only a samples: only the chunk that completes a prompt samples, and b's does not"
 
 
 def test_step8_on_a_real_model_every_budget_gives_the_unchunked_logits_bit_for_bit():
