@@ -8,6 +8,10 @@ block it reads holds what it should: any K/V lost or mixed up by scheduling, chu
 copy-on-write, swapping or preemption changes its outputs. Runs are cheap, so the tests below drive
 random workloads through pools small enough to force preemption, and compare every request with the
 same request run alone, checking the step invariants along the way.
+
+Under `--impl PKG` it runs the learner's scheduler and block manager (stages 6-7, asked of
+`pagedref.course.lesson()` as the stage tests ask them) inside the reference engine; each request's
+run alone, the oracle, stays the reference's.
 """
 
 from __future__ import annotations
@@ -15,18 +19,25 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedref.backends.reference import ReferenceBackend
-from pagedref.engine.block_manager import BlockManager, ContiguousBlockManager
+from pagedref.course import lesson
+from pagedref.engine import block_manager as reference_bm
+from pagedref.engine import scheduler as reference_sched
+from pagedref.engine.config import SchedulerConfig
 from pagedref.engine.llm import LLMEngine
 from pagedref.engine.model_runner import ModelRunner
 from pagedref.engine.sampling import SamplingParams
-from pagedref.engine.scheduler import Scheduler, SchedulerConfig
 from pagedref.engine.sequence import SequenceStatus
 from pagedref.memory.block_table import cdiv
+
+bm_mod = lesson("pagedref.engine.block_manager")  # the implementation under test (the reference, or --impl's)
+sched_mod = lesson("pagedref.engine.scheduler")
+pytestmark = pytest.mark.stage7  # the scheduler of stages 6 and 7: run it once both pass
 
 VOCAB = 64
 EOS = 3
@@ -118,13 +129,15 @@ class CheckingEngine(LLMEngine):
 
 def make_engine(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
                 chunked=True, prefix_caching=True, preemption_mode="recompute", contiguous=False, seed=0,
-                prefill_first=False):
+                prefill_first=False, reference=False):
+    """An engine over the implementation under test (reference=True: over pagedref's own, the oracle)."""
+    bms, scheds = (reference_bm, reference_sched) if reference else (bm_mod, sched_mod)
     num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
     if contiguous:
-        bm = ContiguousBlockManager(num_blocks, block_size, max_model_len)
+        bm = bms.ContiguousBlockManager(num_blocks, block_size, max_model_len)
     else:
-        bm = BlockManager(num_blocks, block_size, max_model_len, prefix_caching, num_cpu_blocks)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked, preemption_mode, prefill_first), bm)
+        bm = bms.BlockManager(num_blocks, block_size, max_model_len, prefix_caching, num_cpu_blocks)
+    scheduler = scheds.Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked, preemption_mode, prefill_first), bm)
     model = ChainModel()
     runner = ModelRunner(model, ReferenceBackend(), num_blocks, block_size, "cpu", torch.float64, num_cpu_blocks)
     return CheckingEngine(model, NumberTokenizer(), runner, scheduler, max_model_len, seed=seed)
@@ -169,10 +182,11 @@ def random_requests(rng: random.Random, count: int, max_prompt: int, max_tokens:
 
 
 def alone(requests, max_model_len=64):
-    """Each request alone in a roomy engine (seeded requests only: unseeded ones draw engine seeds)."""
+    """Each request alone in a roomy engine over the reference (seeded requests only: unseeded ones draw
+    engine seeds)."""
     out = {}
     for rid, prompt, params in requests:
-        engine = make_engine(num_blocks=256, max_model_len=max_model_len, max_num_batched_tokens=1024)
+        engine = make_engine(num_blocks=256, max_model_len=max_model_len, max_num_batched_tokens=1024, reference=True)
         out.update(run(engine, [(rid, prompt, params)]))
     return out
 
@@ -274,5 +288,5 @@ def test_beam_search_in_a_small_pool_equals_beam_search_in_a_roomy_one(seed, blo
 
     max_model_len = 24
     small = make_engine(cdiv(max_model_len, block_size), block_size, max_model_len, max_num_batched_tokens=budget)
-    roomy = make_engine(256, block_size, max_model_len, max_num_batched_tokens=1024)
+    roomy = make_engine(256, block_size, max_model_len, max_num_batched_tokens=1024, reference=True)
     assert search(small) == search(roomy)
