@@ -307,7 +307,7 @@ def check_speculative(spec: SpeculativeConfig, hf_config, max_model_len: int, tp
     if tp_size > 1:
         raise ValueError("speculative_config needs tensor_parallel_size=1 (the draft and the rollback run on one rank)")
     if kv_cache != "paged":
-        raise ValueError("speculative_config needs kv_cache='paged': rejected tokens give their blocks back")
+        raise ValueError(f"speculative_config needs kv_cache='paged', got {kv_cache!r}: rejected tokens give their blocks back")
     if spec.method == "draft_model":
         draft = ModelConfig.from_pretrained(spec.model)
         if draft.vocab_size != hf_config.vocab_size:

@@ -545,6 +545,8 @@ class Scheduler:
                 queue.remove(seq)
                 break
         self.block_manager.free(seq)
+        if self.proposer is not None:  # a draft model's blocks for it go too
+            self.proposer.free(seq)
 
     # --- read-only views --------------------------------------------------------------------------
     def num_requests(self) -> dict[str, int]:

@@ -77,14 +77,21 @@ class Proposer(Protocol):
         """For each decoding sequence, up to num_tokens[i] draft tokens following its tokens (None: none)."""
         ...
 
+    def free(self, seq: Sequence) -> None:
+        """The sequence finished: whatever the proposer holds for it goes."""
+        ...
+
 
 # --- n-gram (prompt lookup) ------------------------------------------------------------------------
 def ngram_propose(token_ids: Seq[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Prompt lookup: for n from max_n down to min_n, the last n tokens are searched earlier in token_ids;
-    at the first n that occurs earlier, the up to k tokens that followed its *latest* earlier occurrence
-    are the draft. [] when no suffix of at least min_n tokens occurred before (or k is 0).
+    at the first n that occurs earlier, the k tokens that followed its *latest* earlier occurrence are the
+    draft. A continuation that reaches the end of the text goes on with its own first tokens (an
+    overlapping copy, as LZ77 copies): a repeating pattern repeats on. [] when no suffix of at least
+    min_n tokens occurred before (or k is 0).
 
-    ngram_propose([1, 2, 3, 9, 1, 2], k=2, min_n=1, max_n=3) == [3, 9]: "1 2" occurred at 0, then 3, 9."""
+    ngram_propose([1, 2, 3, 9, 1, 2], k=2, min_n=1, max_n=3) == [3, 9]: "1 2" occurred at 0, then 3, 9;
+    ngram_propose([5, 7, 5, 7], k=3, min_n=1, max_n=2) == [5, 7, 5]."""
     if k <= 0:
         return []
     tokens = np.asarray(token_ids, dtype=np.int64)
@@ -94,7 +101,10 @@ def ngram_propose(token_ids: Seq[int], k: int, min_n: int, max_n: int) -> list[i
         hits = np.flatnonzero((windows == tokens[num - n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n  # the latest earlier occurrence, and what followed it
-            return tokens[start:start + k].tolist()
+            copied = tokens[start:].tolist()
+            while len(copied) < k:  # overlapping copy: start + i < num + i, so the token is always there
+                copied.append(copied[len(copied) - (num - start)])
+            return copied[:k]
     return []
 
 
@@ -113,6 +123,9 @@ class NgramProposer:
             ids = ngram_propose(seq.token_ids, k, self.prompt_lookup_min, self.prompt_lookup_max)
             drafts.append(Draft(ids) if ids else None)
         return drafts
+
+    def free(self, seq: Sequence) -> None:
+        """Nothing to free: the lookup keeps no state."""
 
 
 # --- a draft model -------------------------------------------------------------------------------
@@ -163,8 +176,9 @@ class DraftModelProposer:
                 break
             entries = [self._entry(seq, feeds[seq.seq_id]) for seq, _ in batch]
             rows = self._logits(entries)
-            for (seq, k), row in zip(batch, rows):
-                token, q = self._sample(seq, row)
+            argmax = rows.argmax(-1).tolist()  # every greedy sequence's token, in one copy to the host
+            for (seq, k), row, best in zip(batch, rows, argmax):
+                token, q = (best, None) if seq.params.is_greedy else self._sample(seq, row)
                 tokens[seq.seq_id].append(token)
                 if q is not None:
                     probs[seq.seq_id].append(q)
@@ -212,6 +226,10 @@ class DraftModelProposer:
             return None
         return start, seq.token_ids[start:num]
 
+    def free(self, seq: Sequence) -> None:
+        """The sequence finished: its draft blocks go back to the draft pool."""
+        self._forget(seq.seq_id)
+
     def _forget(self, seq_id: int) -> None:
         self.states.pop(seq_id, None)
         if seq_id in self.kv.seqs:
@@ -241,11 +259,9 @@ class DraftModelProposer:
         rows = torch.tensor(step.sample_rows, dtype=torch.int64, device=hidden.device)
         return runner.model.compute_logits(hidden.index_select(0, rows))
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """(draft token, its distribution q [vocab] normalised, or None when greedy)."""
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(draft token, its distribution q [vocab] normalised) for a sampling sequence, with its parameters."""
         params = seq.params
-        if params.is_greedy:
-            return int(logits.argmax()), None
         q = processed_probs(logits[None], params)[0]
         q = q / q.sum()
         race = torch.empty_like(q).exponential_(generator=self.states[seq.seq_id].generator)
