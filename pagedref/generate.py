@@ -14,6 +14,7 @@ an unknown sampling field or a model that cannot be found is an argparse-style e
         --temperature 0 --max-tokens 200
     python -m pagedref.generate --prompts-file prompts.jsonl --json
     python -m pagedref.generate --tensor-parallel-size 2   # the model split over 2 processes (GPUs on cuda)
+    python -m pagedref.generate --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--num-kv-blocks", type=int, default=None,
                    help="the KV pool in blocks, instead of sizing it from memory (vLLM's --num-gpu-blocks-override; "
                         "the serving benchmarks fix it so that every system gets the same pool)")
+    e.add_argument("--speculative-config", type=str, default=None, metavar="JSON",
+                   help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                        "\"prompt_lookup_max\": 3}' or '{\"model\": DRAFT_DIR, \"num_speculative_tokens\": 3}'")
 
 
 def check_engine_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -99,6 +103,23 @@ def check_engine_ranges(parser: argparse.ArgumentParser, args: argparse.Namespac
             parser.error(f"{flag} must be >= 1, got {value}")
     if not 0 < args.gpu_memory_utilization <= 1:
         parser.error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    args.speculative_config = parse_speculative_config(parser, args.speculative_config)
+
+
+def parse_speculative_config(parser: argparse.ArgumentParser, text: str | dict | None) -> dict[str, Any] | None:
+    """--speculative-config's JSON, its keys and values checked (`SpeculativeConfig`), before any weight is loaded."""
+    if text is None or isinstance(text, dict):
+        return text
+    from pagedref.engine.config import SpeculativeConfig
+
+    try:
+        config = json.loads(text)
+        SpeculativeConfig.from_dict(config)
+    except json.JSONDecodeError as err:
+        parser.error(f"--speculative-config: not JSON ({err})")
+    except (TypeError, ValueError) as err:
+        parser.error(f"--speculative-config: {err}")
+    return config
 
 
 def engine_kwargs(args: argparse.Namespace, model_dir: Path, device: str) -> dict[str, Any]:
@@ -108,7 +129,7 @@ def engine_kwargs(args: argparse.Namespace, model_dir: Path, device: str) -> dic
                 max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
                 enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
                 num_kv_blocks=args.num_kv_blocks, tensor_parallel_size=args.tensor_parallel_size,
-                enforce_eager=args.enforce_eager)
+                enforce_eager=args.enforce_eager, speculative_config=args.speculative_config)
 
 
 def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -270,6 +291,10 @@ def summarize(stats: dict[str, Any], num_requests: int, elapsed: float) -> dict[
         "preemptions": stats["num_preemptions"],
         "prefix_cache_hit_rate": stats.get("prefix_cache_hit_rate", 0.0),
         "steps": stats["num_steps"],
+        "spec_num_draft_tokens": stats.get("spec_num_draft_tokens", 0),
+        "spec_num_accepted_tokens": stats.get("spec_num_accepted_tokens", 0),
+        "spec_acceptance_rate": stats.get("spec_acceptance_rate", 0.0),
+        "spec_mean_accepted_length": stats.get("spec_mean_accepted_length", 0.0),
     }
 
 
@@ -285,6 +310,9 @@ def format_summary(s: dict[str, Any]) -> str:
         ("peak running sequences", f"{s['peak_running_seqs']} over {s['steps']} steps"),
         ("preemptions", f"{s['preemptions']}"),
     ]
+    if s.get("spec_num_draft_tokens"):  # speculative decoding (--speculative-config)
+        rows.append(("speculative decoding", f"{s['spec_acceptance_rate']:.1%} of {s['spec_num_draft_tokens']} draft tokens "
+                                             f"accepted, {s['spec_mean_accepted_length']:.2f} tokens per speculative step"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -271,3 +271,44 @@ def test_cuda_greedy_with_speculation_equals_without(spec):
             assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert llm.llm_engine.block_manager.all_free() and llm.get_stats()["spec_num_draft_tokens"] > 0
         llm.close()
+
+
+# --- the command line and the benchmarks -------------------------------------------------------------------
+def test_generate_cli_speculates_and_prints_the_acceptance_rate(capsys):
+    from pagedref import generate
+
+    case = CASES[1]
+    args = ["--model", str(STORIES), "--device", "cpu", "--temperature", "0", "--max-tokens", "512", "--prompt",
+            case["prompt"], "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}']
+    assert generate.main(args) == 0
+    out = capsys.readouterr().out
+    assert case["text_until_bos"] in out, "the speculative CLI prints run.c's story"
+    assert "speculative decoding" in out and "draft tokens accepted" in out
+    for bad, named in (('{"method": "ngram"', "not JSON"), ('{"method": "ngam", "num_speculative_tokens": 2}', "method")):
+        with pytest.raises(SystemExit) as e:
+            generate.main(["--speculative-config", bad])
+        assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_bench_serve_and_bench_spec_run_with_speculation(tmp_path, capsys):
+    from pagedref.bench import serve, spec
+
+    assert serve.main(["--device", "cpu", "--num-prompts", "4", "--output-len", "12", "--systems", "pagedref,contiguous",
+                       "--workload", "copy", "--model-dir", str(tmp_path), "--speculative-config",
+                       '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}']) == 0
+    out = capsys.readouterr().out
+    assert "speculative:" in out and "drafts accepted" in out
+    doc = tmp_path / "spec.json"
+    assert spec.main(["--device", "cpu", "--batch-sizes", "1,3", "--input-len", "24", "--output-len", "10",
+                      "--model-dir", str(tmp_path), "--json-out", str(doc)]) == 0
+    out = capsys.readouterr().out
+    for method in spec.METHODS:
+        assert f" {method} " in out
+    import json
+
+    rows = json.loads(doc.read_text())["results"]
+    assert {(r["batch"], r["method"]) for r in rows} == {(b, m) for b in (1, 3) for m in spec.METHODS}
+    assert all(not r.get("skipped") for r in rows) and all(r["output_tokens"] == r["batch"] * 10 for r in rows)
+    assert next(r for r in rows if r["method"] == "self")["acceptance_rate"] == 1.0
+    with pytest.raises(SystemExit):
+        spec.main(["--device", "cpu", "--methods", "none,eagle"])

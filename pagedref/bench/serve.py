@@ -66,11 +66,20 @@ class BenchRequest:
 
 
 def make_requests(num: int, vocab_size: int, seed: int, input_len: int | None = None,
-                  output_len: int | None = None) -> list[BenchRequest]:
-    """Random prompt tokens; lengths from ShareGPT-like distributions unless fixed by input_len / output_len."""
+                  output_len: int | None = None, workload: str = "sharegpt") -> list[BenchRequest]:
+    """Random prompt tokens; lengths from ShareGPT-like distributions unless fixed by input_len / output_len.
+    workload "copy": each prompt is a passage followed by its first quarter again, so an answer that goes on
+    copying the passage repeats long spans of its prompt (the shape of an edit or extract task: what
+    speculative decoding's prompt lookup is for)."""
     rng = np.random.default_rng(seed)
     lengths = sharegpt_lengths(rng, num)
     lengths = [(input_len or p, output_len or o) for p, o in lengths]
+    if workload == "copy":
+        reqs = []
+        for p, o in lengths:
+            passage = rng.integers(0, vocab_size, p - p // 4).tolist()
+            reqs.append(BenchRequest(passage + passage[: p // 4], o))
+        return reqs
     return [BenchRequest(rng.integers(0, vocab_size, p).tolist(), o) for p, o in lengths]
 
 
@@ -89,6 +98,8 @@ class Result:
     peak_kv_blocks_used: int | None = None
     kv_token_state_share: float | None = None  # share of occupied KV memory holding token states (time mean)
     preemptions: int | None = None
+    spec_acceptance_rate: float | None = None  # speculative decoding (--speculative-config): accepted / draft tokens
+    spec_mean_accepted_length: float | None = None  # ... tokens emitted per speculative step of a sequence
     note: str = ""
     skipped: str | None = None  # why the system did not run
 
@@ -110,16 +121,25 @@ class Result:
 
 
 def engine_args(device: str, dtype: str, num_kv_blocks: int | None, max_num_seqs: int | None, max_num_batched_tokens: int | None,
-                gpu_memory_utilization: float, enforce_eager: bool = False) -> dict[str, Any]:
+                gpu_memory_utilization: float, enforce_eager: bool = False,
+                speculative_config: dict[str, Any] | None = None) -> dict[str, Any]:
     return dict(device=device, dtype=dtype, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks or None,
-                gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=False, enforce_eager=enforce_eager)
+                gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=False, enforce_eager=enforce_eager,
+                speculative_config=speculative_config)
 
 
 def _graph_note(stats: dict[str, Any]) -> str:
     decode, pieces = stats["num_cuda_graph_replays"], stats["num_piecewise_graph_replays"]
     note = f", {decode} decode + {pieces} piecewise graph replays" if decode or pieces else ", eager"
     return note + (", async" if stats.get("async_scheduling") else "")
+
+
+def _spec_note(stats: dict[str, Any]) -> str:
+    if not stats["spec_num_draft_tokens"]:
+        return ""
+    return (f", speculative: {stats['spec_acceptance_rate']:.1%} of {stats['spec_num_draft_tokens']} drafts accepted, "
+            f"{stats['spec_mean_accepted_length']:.2f} tokens/step")
 
 
 def tp_size(system: str) -> int | None:
@@ -157,7 +177,9 @@ def run_pagedref(model_dir: Path, reqs: list[BenchRequest], kv_cache: str, llm_k
             system=name, requests=len(outputs), elapsed_s=elapsed, prompt_tokens=sum(len(r.prompt_token_ids) for r in reqs),
             output_tokens=produced, peak_running_seqs=stats["peak_num_running_seqs"], kv_blocks=stats["num_blocks"],
             peak_kv_blocks_used=stats["peak_num_used_blocks"], kv_token_state_share=stats["token_state_fraction_mean"],
-            preemptions=stats["num_preemptions"], note=f"{stats['num_steps']} steps" + _graph_note(stats),
+            preemptions=stats["num_preemptions"], note=f"{stats['num_steps']} steps" + _graph_note(stats) + _spec_note(stats),
+            spec_acceptance_rate=stats["spec_acceptance_rate"] if stats["spec_num_draft_tokens"] else None,
+            spec_mean_accepted_length=stats["spec_mean_accepted_length"] if stats["spec_num_draft_tokens"] else None,
         )
     finally:
         llm.close()
@@ -401,6 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                    help="pagedref and contiguous issue every step's launches eagerly instead of replaying CUDA graphs "
                         "(cuda; pagedref-tpN always runs eagerly; the system pagedref-eager does too)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding for the pagedref systems (vLLM's keys, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'); the acceptance rate is printed")
+    p.add_argument("--workload", choices=("sharegpt", "copy"), default="sharegpt",
+                   help="copy: each prompt is a passage then its opening again (answers that copy it repeat its spans)")
     p.add_argument("--hf-batch-size", type=int, default=256, help="cap on a static transformers batch")
     p.add_argument("--hf-time-limit", type=float, default=None,
                    help="seconds per transformers system (default 100, --quick 30): hf-static starts no batch after it "
@@ -484,6 +511,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
         parser.error(f"--num-kv-blocks {args.num_kv_blocks} holds fewer than one sequence of {MAX_MODEL_LEN} tokens")
     if (args.input_len or 0) + (args.output_len or 0) > MAX_MODEL_LEN:
         parser.error(f"--input-len + --output-len must be <= max_model_len {MAX_MODEL_LEN}")
+    from pagedref.generate import parse_speculative_config
+
+    args.speculative_config = parse_speculative_config(parser, args.speculative_config)
+    if args.speculative_config is not None:
+        bad = [s for s in systems if tp_size(s) is not None]
+        if bad:
+            parser.error(f"--speculative-config runs on one GPU: drop {', '.join(bad)} from --systems")
     return shapes, systems, device
 
 
@@ -492,9 +526,9 @@ def run_shape(args: argparse.Namespace, shape: str, systems: list[str], device: 
     dtype = "bfloat16" if device == "cuda" else "float32"  # CPU: the reference path's float32
     model_dir = random_model_dir(shape, args.model_dir, device, seed=args.seed, log=log)
     cfg = SHAPES[shape]
-    reqs = make_requests(args.num_prompts, cfg["vocab_size"], args.seed, args.input_len, args.output_len)
+    reqs = make_requests(args.num_prompts, cfg["vocab_size"], args.seed, args.input_len, args.output_len, args.workload)
     llm_kwargs = engine_args(device, dtype, args.num_kv_blocks, args.max_num_seqs, args.max_num_batched_tokens,
-                             args.gpu_memory_utilization, args.enforce_eager)
+                             args.gpu_memory_utilization, args.enforce_eager, args.speculative_config)
     num_kv_blocks = args.num_kv_blocks
     results: list[Result] = []
     for system in systems:
@@ -506,9 +540,10 @@ def run_shape(args: argparse.Namespace, shape: str, systems: list[str], device: 
             elif system == "pagedref-sync":  # pagedref scheduling each step after the last one's tokens are back
                 res = run_pagedref(model_dir, reqs, "paged", {**llm_kwargs, "num_kv_blocks": num_kv_blocks or None,
                                                               "async_scheduling": False}, log, system)
-            elif system in ("pagedref", "contiguous"):
+            elif system in ("pagedref", "contiguous"):  # (speculation needs paged blocks: not the contiguous baseline)
                 res = run_pagedref(model_dir, reqs, "paged" if system == "pagedref" else "contiguous",
-                                   {**llm_kwargs, "num_kv_blocks": num_kv_blocks or None}, log)
+                                   {**llm_kwargs, "num_kv_blocks": num_kv_blocks or None,
+                                    **({"speculative_config": None} if system == "contiguous" else {})}, log)
                 num_kv_blocks = num_kv_blocks or res.kv_blocks  # profiled once: the same budget for the rest
             elif tp_size(system) is not None:  # the same engine over N GPUs: each holds 1/N of every block
                 res = run_pagedref(model_dir, reqs, "paged", {**llm_kwargs, "num_kv_blocks": num_kv_blocks or None,
