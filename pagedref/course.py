@@ -154,6 +154,7 @@ STAGES: tuple[Stage, ...] = (
           ("pagedref.engine.block_manager", "pagedref.engine.scheduler")),
     Stage(7, "07_chunked_prefill", "Chunked prefill", ("pagedref.engine.scheduler",),
           claims=("Scheduler",)),  # stage 7 extends stage 6's Scheduler with the token budget
+    Stage(8, "08_speculative_decoding", "Speculative decoding on paged blocks", ("pagedref.engine.spec_decode",)),
 )
 
 

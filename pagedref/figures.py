@@ -416,6 +416,103 @@ def fig_scheduling_policies(out: Path, quick: bool) -> list[Path]:
     return [_save(fig, out, "scheduling_policies")]
 
 
+# --- (e) speculative decoding over the block table (stage 8) ------------------------------------------
+@dataclass
+class SpecStepRecord:
+    start: int  # the position of the step's first row (the sequence's last token)
+    drafts: int  # k: draft tokens scored in the step
+    accepted: int  # ... of which the target kept
+    blocks: list[int]  # the block table as the step ran (with the drafts' slots)
+    kept: list[int]  # the block table after the rollback
+
+
+def speculative_run(num_steps: int = 8, k: int = 4, block_size: int = 4, draft_layers: int = 3) -> list[SpecStepRecord]:
+    """The real engine, greedy, on the default model with a draft made of its first draft_layers layers
+    (`pagedref.bench.spec.shallow_draft`): the speculative steps of one request, as the scheduler ran them
+    (its block table before and after update's rollback) and as the target judged the drafts."""
+    import tempfile
+
+    from pagedref import DEFAULT_MODEL, LLM
+    from pagedref.bench.spec import shallow_draft
+
+    records: list[SpecStepRecord] = []
+    with tempfile.TemporaryDirectory(prefix="pagedref-figure-") as tmp:
+        draft = shallow_draft(DEFAULT_MODEL, draft_layers, Path(tmp) / "draft")
+        llm = LLM(DEFAULT_MODEL, device="cpu", block_size=block_size, num_kv_blocks=64, max_model_len=128,
+                  speculative_config={"model": str(draft), "num_speculative_tokens": k})
+        engine = llm.llm_engine
+        text, ids = engine.process_prompt("# Stage 4")
+        engine.add_request("a", {"prompt": text, "prompt_token_ids": ids},
+                           SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+        seq = engine.requests["a"].seqs[0]
+        while engine.has_unfinished_requests() and len(records) < num_steps:
+            sched = engine.scheduler.schedule()
+            entry = sched.scheduled[0]
+            blocks = list(entry.block_ids)
+            sampled = engine.runner.execute(sched)
+            engine.scheduler.update(sched, sampled)
+            if entry.num_draft_tokens:
+                rows, drafts = sampled.spec[0].token_ids, entry.token_ids[1:]
+                accepted = next((i for i, d in enumerate(drafts) if rows[i] != d), len(drafts))
+                kept = list(engine.block_manager.block_ids(seq)) if not seq.is_finished else []
+                records.append(SpecStepRecord(entry.num_computed_tokens, len(drafts), accepted, blocks, kept))
+        llm.close()
+    return records
+
+
+def fig_speculative_decoding(out: Path, quick: bool) -> list[Path]:
+    """Stage 8: each speculative step's slots over the block table: the last token, the accepted and the
+    rejected drafts, the blocks the rollback returns to the pool."""
+    bs, k = 4, 4
+    steps = speculative_run(k=k, block_size=bs)
+    first = min(r.start for r in steps) // bs  # the logical blocks shown: from the first step's block on
+    last = max(len(r.blocks) for r in steps)
+    colors = {"old": "#D9D9D9", "input": "#4C72B0", "accepted": "#55A868", "rejected": "#C44E52", "own": "#DD8452"}
+    fig, ax = plt.subplots(figsize=(11, 0.75 * len(steps) + 1.9), layout="constrained")
+    width = bs + 1
+    for row, r in enumerate(steps):
+        y = -row
+        for i in range(first, len(r.blocks)):
+            x = (i - first) * width
+            returned = i >= len(r.kept)
+            for slot in range(bs):
+                p = i * bs + slot
+                if p < r.start:
+                    kind = "old"
+                elif p == r.start:
+                    kind = "input"
+                elif p <= r.start + r.drafts:
+                    kind = "accepted" if p - r.start <= r.accepted else "rejected"
+                else:
+                    kind = None
+                ax.add_patch(Rectangle((x + slot, y - 0.35), 1, 0.7, facecolor=colors[kind] if kind else "white",
+                                       edgecolor="black", lw=0.5, hatch="xx" if kind == "rejected" else None))
+            if p_own := r.start + r.accepted + 1:  # the target's own token (correction or bonus) joins after the step
+                if (p_own // bs) == i:
+                    ax.add_patch(Rectangle((x + p_own % bs + 0.2, y - 0.2), 0.6, 0.4, facecolor=colors["own"], lw=0))
+            ax.text(x + bs / 2, y + 0.42, f"{'→ pool ' if returned else ''}#{r.blocks[i]}", ha="center", va="bottom",
+                    fontsize=7, color="#C44E52" if returned else "dimgray")
+        ax.text(-0.8, y, f"step {row + 1}\npositions {r.start}-{r.start + r.drafts}", ha="right", va="center", fontsize=7)
+        emitted = r.accepted + 1
+        ax.text((last - first) * width + 0.5, y, f"{r.accepted} of {r.drafts} drafts accepted + the target's own: "
+                f"{emitted} token{'s' if emitted > 1 else ''}\nblock table {len(r.blocks)} → {len(r.kept)} blocks",
+                va="center", fontsize=8)
+    handles = [Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="black", lw=0.5, hatch="xx" if n == "rejected" else None)
+               for n, c in colors.items()]
+    labels = ["computed before the step", "its last token (row 0)", "draft kept by the target",
+              "draft rejected: slot rolled back", "the target's own token (next step's row 0)"]
+    ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=5, fontsize=7, frameon=False)
+    ax.set_xlim(-5, (last - first) * width + 17)
+    ax.set_ylim(-len(steps) + 0.3, 1.1)
+    ax.axis("off")
+    accepted = sum(r.accepted for r in steps)
+    ax.set_title(f"Speculative decoding over the block table (block_size={bs}; #n = physical block): the default model "
+                 f"verifies k={k} drafts of its first 3 layers per step, greedy.\n{accepted} of {sum(r.drafts for r in steps)} "
+                 f"drafts accepted in {len(steps)} steps; a block holding only rejected drafts goes back to the pool "
+                 "(→ pool), and the next step writes over the rejected slots it keeps", fontsize=9, loc="left")
+    return [_save(fig, out, "speculative_decoding")]
+
+
 # GPU runs cannot be repeated here: their figures are drawn from the JSON documents the device runs wrote
 # (`--json-out`), committed under docs/results/ with the command, GPU, date and commit inside them.
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
@@ -484,6 +581,7 @@ FIGURES: dict[str, Callable[[Path, bool], list[Path]]] = {  # name -> draws <nam
     "continuous_batching": fig_continuous_batching,
     "chunked_prefill": fig_chunked_prefill,
     "scheduling_policies": fig_scheduling_policies,
+    "speculative_decoding": fig_speculative_decoding,
     "serve": fig_serve,
     "latency": fig_latency,
 }

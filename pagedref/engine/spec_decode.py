@@ -147,6 +147,10 @@ class DraftModelProposer:
     (finished, preempted) loses its draft blocks at the next proposal; one the draft pool cannot hold gets
     no draft (speculation is optional work: it never preempts anyone)."""
 
+    runner: object  # a ModelRunner over the draft model: its KV pool, prepare() and run_model()
+    num_speculative_tokens: int
+    kv: KVCacheManager  # the draft's block tables over that pool, keyed by the sequences' ids (no prefix caching)
+
     def __init__(self, runner, num_blocks: int, num_speculative_tokens: int, max_model_len: int) -> None:
         """runner: a ModelRunner over the draft model whose pool holds num_blocks blocks."""
         self.runner = runner
