@@ -69,17 +69,12 @@ class SpecTokens:
 
 
 class Proposer(Protocol):
-    """Anything that proposes drafts: `Scheduler.proposer` (None: no speculation)."""
+    """What `Scheduler.proposer` is (None: no speculation): k, and two methods, `NgramProposer`'s and
+    `DraftModelProposer`'s: `propose(seqs, num_tokens)` -> for each decoding sequence, in order, a `Draft`
+    of at most num_tokens[i] tokens following its tokens, or None; `free(seq)`: the sequence finished,
+    whatever the proposer holds for it goes."""
 
-    num_speculative_tokens: int
-
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft | None]:
-        """For each decoding sequence, up to num_tokens[i] draft tokens following its tokens (None: none)."""
-        ...
-
-    def free(self, seq: Sequence) -> None:
-        """The sequence finished: whatever the proposer holds for it goes."""
-        ...
+    num_speculative_tokens: int  # k: the most drafts a sequence gets per step
 
 
 # --- n-gram (prompt lookup) ------------------------------------------------------------------------
