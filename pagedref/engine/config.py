@@ -6,7 +6,8 @@ naming it. `EngineArgs.create_engine_config()` resolves what "auto" and None mea
 dtype, max_model_len from the checkpoint, the token budget and batch size for the device) and
 returns the configs the engine's parts are built from, grouped as vLLM groups them: the model's
 (`EngineConfig` itself), the KV cache's (`CacheConfig`), the scheduler's (`SchedulerConfig`), the
-parallel layout (`ParallelConfig`) and CUDA graphs (`CompilationConfig`).
+parallel layout (`ParallelConfig`), CUDA graphs (`CompilationConfig`) and speculative decoding
+(`SpeculativeConfig`, with what it cannot be combined with refused by name).
 
 Invariant: a config that exists is valid; the same arguments always give the same config on the
 same machine.
