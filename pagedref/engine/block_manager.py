@@ -56,8 +56,8 @@ class BlockManager:
     # --- admission ------------------------------------------------------------------------------
     def lookup(self, seq: Sequence) -> PrefixHit:
         """The prefix cache's blocks for a sequence without blocks (hit.num_tokens of its tokens): valid for
-        `can_allocate` / `allocate` until the pool's next allocation. None for a sequence that asks for its
-        prompt's logprobs: each prompt token must be computed to give its own (vLLM v1 skips the cache too)."""
+        `can_allocate` / `allocate` until the pool's next allocation. An empty hit for a sequence that asks for
+        its prompt's logprobs: each prompt token must be computed to give its own (vLLM v1 skips the cache too)."""
         if seq.params.prompt_logprobs is not None:
             return PrefixHit([], [], self.block_size)
         return self.kv.lookup(seq.token_ids)
@@ -213,7 +213,6 @@ class ContiguousBlockManager:
     num_blocks: int
     blocks_per_seq: int  # one reservation: cdiv(max_model_len, block_size) blocks
     arena: ContiguousKVCache  # stage 1's cache, its reservations keyed by seq_id (max_model_len: a reservation)
-    cpu: None  # no swap pool
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         self.block_size = block_size
@@ -222,7 +221,6 @@ class ContiguousBlockManager:
         if self.blocks_per_seq > num_blocks:
             raise ValueError(f"KV pool of {num_blocks} blocks cannot hold one reservation of max_model_len={max_model_len}")
         self.arena = ContiguousKVCache(num_blocks * block_size, self.blocks_per_seq * block_size)
-        self.cpu = None
 
     def lookup(self, seq: Sequence) -> PrefixHit:
         """An empty hit: a reservation is private, nothing is cached."""

@@ -23,6 +23,7 @@ from pagedref.engine.sampling import BeamSearchParams, SamplerOutput, SamplingPa
 
 bm_mod = lesson("pagedref.engine.block_manager")
 sched_mod = lesson("pagedref.engine.scheduler")
+bt = lesson("pagedref.memory.block_table")  # your stage 3: its MaxModelLenError
 
 NEW_TOKEN = 7
 STATS_KEYS = {"num_blocks", "num_free_blocks", "num_used_blocks", "num_shared_blocks", "num_cached_blocks",
@@ -83,6 +84,16 @@ def test_step2_the_block_manager_speaks_sequences_and_tokens():
         "stage 6: allocate gives the prompt's tokens their slots (stage 3's slot mapping) through stage 4's manager"
     assert bm.has_blocks(a) and bm.kv.block_ids(a.seq_id) == blocks and bm.num_free_blocks == 14, \
         "stage 6: the sequence is known to the memory layer (bm.kv) by its seq_id, and holds 2 of the 16 blocks"
+    assert bm.live_usage() == (0.75, 2, 0), \
+        "stage 6: live_usage() = (token states / used slots: 6 of 8, used blocks, block references saved by sharing)"
+    sharer = seq_of(3, [])
+    bm.fork(a, sharer)
+    assert bm.live_usage() == (0.75, 2, 2), \
+        "stage 6: a fork shares both blocks, the partly filled one too: a shared block counts once, 2 references saved"
+    bm.free(sharer)
+    assert bm.cpu is None and not bm.can_swap_out(a), "stage 6: without num_cpu_blocks there is no swap pool"
+    with raises(bt.MaxModelLenError, "stage 6: a sequence past max_model_len is refused (stage 3's MaxModelLenError)"):
+        bm.allocate(make_seq(5, 65), 65)
     a.num_computed_tokens = 6
     a.token_ids.append(NEW_TOKEN)
     assert bm.can_append(a, 2), "stage 6: 2 more tokens fit (the second block has 2 free slots)"
@@ -95,6 +106,11 @@ def test_step2_the_block_manager_speaks_sequences_and_tokens():
         "stage 6: a block whose last token was unknown when it filled up is not in the prefix cache yet"
     bm.set_token(a, 7)
     assert bm.lookup(b).num_tokens == 8, "stage 6: set_token names the token: a's second block becomes findable"
+    logprobs = seq_mod.Sequence(6, "r6", a.token_ids + [1], 9, SamplingParams(temperature=0.0, prompt_logprobs=1))
+    hit = bm.lookup(logprobs)
+    assert hit.num_tokens == 0 and bm.allocate(logprobs, 9, hit)[0] == 0, \
+        "stage 6: a sequence that asks for its prompt's logprobs finds nothing cached: each prompt token is computed"
+    bm.free(logprobs)
     child = seq_of(3, [])
     bm.fork(a, child)
     assert bm.block_ids(child) == blocks and bm.live_usage() == (1.0, 2, 2), \
@@ -107,7 +123,8 @@ def test_step2_the_block_manager_speaks_sequences_and_tokens():
         "stage 6: free drops a's references; its child still holds the blocks"
     bm.free(child)
     bm.free(make_seq(4, 3))  # holds nothing: nothing to give back
-    assert bm.all_free() and bm.num_free_blocks == 16, "stage 6: freed by both, the blocks are free (and cached)"
+    assert bm.all_free() and bm.num_free_blocks == 16 and bm.live_usage() == (0.0, 0, 0), \
+        "stage 6: freed by both, the blocks are free (and cached); an empty pool's live_usage() is (0.0, 0, 0)"
 
 
 def test_step3_the_watermark_keeps_1_percent_free_for_the_running_sequences():
@@ -122,7 +139,12 @@ def test_step3_the_watermark_keeps_1_percent_free_for_the_running_sequences():
     assert bm.can_allocate(y, 8), "stage 6: 3 free blocks, y takes 2: 1 stays free, the watermark: admitted"
     assert not bm.can_allocate(z, 12), \
         "stage 6: 3 free blocks, z takes 3: none would stay free for the running sequences (watermark 1): refused"
+    assert not bm.can_allocate(make_seq(5, 16), 16), "stage 6: 4 blocks do not fit in 3: refused"
     assert bm.can_append(x, 12), "stage 6: the watermark holds back admissions only: a running sequence may take all"
+    bm = bm_mod.BlockManager(150, 4, max_model_len=600, enable_prefix_caching=False)
+    bm.allocate(make_seq(6, 1), 1)
+    assert not bm.can_allocate(make_seq(7, 149 * 4), 149 * 4), \
+        "stage 6: one block in use is not an idle pool: the other 149 fit, but none would stay free: refused"
 
 
 def test_step4_one_step_is_schedule_execute_update():
@@ -270,7 +292,7 @@ def test_step10_or_its_blocks_are_swapped_to_cpu_memory_and_back():
 
 def test_step11_the_swap_pool_and_the_prefix_cache():
     bm = bm_mod.BlockManager(8, 4, max_model_len=64, enable_prefix_caching=True, num_cpu_blocks=3)
-    a, big = make_seq(1, 10), make_seq(2, 13)
+    a, big = make_seq(1, 10), make_seq(2, 20)
     bm.allocate(a, 10)
     a.num_computed_tokens = 10
     blocks = bm.block_ids(a)
@@ -280,15 +302,18 @@ def test_step11_the_swap_pool_and_the_prefix_cache():
         "stage 6: swap_out copies each device block to a CPU block, in logical order, and frees the device blocks"
     assert bm.stats()["num_swapped_blocks"] == 3 and bm.cpu_tables[a.seq_id] == [cpu for _, cpu in copies], \
         "stage 6: the CPU table of a holds its 3 CPU blocks (stats: num_swapped_blocks)"
+    assert not bm.all_free(), "stage 6: a swapped sequence still holds its CPU blocks: not all free"
     bm.check_invariants()
-    assert bm.can_swap_in(a, 1), "stage 6: room for a's 10 tokens and 1 more"
+    bm.allocate(big, 20)  # 5 blocks, the 5 never used: 3 stay free, a's 2 full blocks among them (cached)
+    assert bm.can_swap_in(a, 1) and not bm.can_swap_in(a, 3), \
+        "stage 6: can_swap_in counts exactly: a's 2 cached full blocks (free, so taking them uses 2 free blocks) " \
+        "and the new blocks for the rest: 10 + 1 tokens need 1 more (3 in all: fits), 10 + 3 need 2 more (4: no)"
+    assert not bm.can_swap_out(big), "stage 6: 5 device blocks do not fit in a swap pool of 3 CPU blocks"
     back = bm.swap_in(a)
     assert bm.block_ids(a)[:2] == blocks[:2] and back == [(copies[2][1], bm.block_ids(a)[2])], \
         "stage 6: a's 2 full blocks are still in the prefix cache on the device: swap_in reuses them and copies " \
         "back only the partly filled last block"
     assert bm.stats()["num_swapped_blocks"] == 0 and bm.cpu.num_used == 0, "stage 6: swap_in frees the CPU blocks"
-    bm.allocate(big, 13)
-    assert not bm.can_swap_out(big), "stage 6: 4 device blocks do not fit in a swap pool of 3 CPU blocks"
     bm.swap_out(a)
     bm.cpu_tables[a.seq_id].append(bm.cpu_tables[a.seq_id][0])  # a CPU block held twice
     with raises(AssertionError, "stage 6: check_invariants() checks the swap pool too: a CPU block held twice"):
@@ -297,6 +322,9 @@ def test_step11_the_swap_pool_and_the_prefix_cache():
     bm.free(a)
     bm.free(big)
     assert bm.all_free(), "stage 6: free gives back a swapped sequence's CPU blocks too"
+    small = bm_mod.BlockManager(4, 4, max_model_len=64, num_cpu_blocks=1)
+    small.allocate(a, 3)
+    assert small.can_swap_out(a), "stage 6: a swap pool of one CPU block holds a sequence of one block"
 
 
 def test_step12_a_sequence_already_scheduled_in_this_step_is_never_the_victim():
@@ -357,6 +385,9 @@ def test_step14_idle_beams_give_their_blocks_back_before_anyone_is_preempted():
 
 
 def test_step15_the_same_scheduler_over_stage_1s_reservations():
+    bm_mod.ContiguousBlockManager(16, 4, max_model_len=64)  # exactly one reservation
+    with raises(ValueError, "stage 6: a pool that cannot hold one reservation of max_model_len is refused"):
+        bm_mod.ContiguousBlockManager(15, 4, max_model_len=64)
     bm = bm_mod.ContiguousBlockManager(48, 4, max_model_len=64)  # room for 3 reservations of 64 slots
     s = sched_mod.Scheduler(sched_mod.SchedulerConfig(8, 64, True, "recompute"), bm)
     seqs = [make_seq(i, 3) for i in (1, 2, 3, 4)]
@@ -368,8 +399,11 @@ def test_step15_the_same_scheduler_over_stage_1s_reservations():
         "stage 6: ContiguousBlockManager reserves max_model_len (16 blocks) per sequence: 3 fit where paged fits all 4"
     assert [e.slot_mapping for e in out.scheduled] == [[0, 1, 2], [64, 65, 66], [128, 129, 130]] \
         and bm.block_ids(seqs[1]) == [16], "stage 6: each reservation is one stretch, first fit (stage 1)"
-    assert bm.num_free_blocks == 0 and set(bm.stats()) == STATS_KEYS and bm.stats()["num_used_blocks"] == 48 \
-        and bm.live_usage()[1:] == (48, 0), "stage 6: the reservations hold the whole pool, 9 tokens or not"
+    assert bm.num_free_blocks == 0 and bm.live_usage() == (9 / 192, 48, 0) and bm.stats() == {
+        "num_blocks": 48, "num_free_blocks": 0, "num_used_blocks": 48, "num_shared_blocks": 0, "num_cached_blocks": 0,
+        "token_state_fraction": 9 / 192, "prefix_cache_hit_rate": 0.0, "num_swapped_blocks": 0}, \
+        "stage 6: the reservations hold the whole pool for 9 tokens (stage 1's token_state_fraction: 9 of 192 slots); " \
+        "stats() has BlockManager's keys, with nothing shared, cached or swapped"
     assert not bm.can_swap_out(seqs[0]) and bm.has_blocks(seqs[0]), "stage 6: reservations are never swapped"
     with raises(ValueError, "stage 6: a reservation cannot be shared: fork raises ValueError"):
         bm.fork(seqs[0], make_seq(9, 3))
@@ -383,8 +417,16 @@ def test_step15_the_same_scheduler_over_stage_1s_reservations():
     s.finish(seqs[0], seq_mod.SequenceStatus.FINISHED_STOPPED)
     out = s.schedule()
     assert batch(out) == [(2, 1), (3, 1), (4, 3)], "stage 6: a finished reservation's stretch takes the next request"
-    for seq in seqs[1:]:
+    advance(s, out)
+    for seq in seqs[1:3]:
         s.finish(seq, seq_mod.SequenceStatus.FINISHED_STOPPED)
+    last, n = seqs[3], seqs[3].num_computed_tokens
+    assert bm.live_usage()[1:] == (16, 0) and (bm.stats()["num_used_blocks"], bm.stats()["num_free_blocks"]) == (16, 32), \
+        "stage 6: one reservation left: 16 blocks used, 32 free"
+    bm.check_invariants()
+    assert bm.can_append(last, 64 - n) and not bm.can_append(last, 65 - n), \
+        "stage 6: can_append: up to the reservation's 64 slots, not one more"
+    s.finish(last, seq_mod.SequenceStatus.FINISHED_STOPPED)
     assert bm.all_free(), "stage 6: every reservation released"
 
 
