@@ -7,6 +7,10 @@ This is what a learner's deliberately wrong package meets under `pytest stages -
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 from pagedref import course
@@ -35,3 +39,20 @@ def test_every_wrong_version_fails_a_test_that_names_its_rule(number):
         f"{r.mutant.name} (rule: {r.mutant.rule}; expect /{r.mutant.expect}/): "
         + ("; ".join(f"{f['nodeid'].split('::')[-1]}: {f['message'][:200]}" for f in r.failures[:3]) or "every test passed")
         for r in survived)
+
+
+def test_the_scheduler_fuzzer_grades_a_learner_package(tmp_path):
+    """tests/test_engine_fuzz.py under --impl runs the learner's scheduler and block manager: a copy of the
+    reference passes it, and a wrong version (decodes over the token budget) fails it."""
+    def fuzz(pkg):
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                               "tests/test_engine_fuzz.py", "--impl", str(pkg)],
+                              capture_output=True, text=True, cwd=course.REPO_ROOT, timeout=900)
+    good, bad = tmp_path / "good" / "fuzzed", tmp_path / "bad" / "fuzzed"
+    course.init(good, from_stage=len(course.STAGES) + 1)
+    shutil.copytree(good, bad)
+    course.apply_mutant(next(m for m in MUTANTS if m.name == "stage7_decodes_ignore_the_budget"), bad)
+    r = fuzz(good)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    r = fuzz(bad)
+    assert r.returncode == 1 and "token budget exceeded" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
