@@ -74,7 +74,7 @@ def test_step1_a_sequence_is_its_tokens_and_how_many_are_computed():
 
 
 def test_step2_the_block_manager_speaks_sequences_and_tokens():
-    bm = bm_mod.BlockManager(16, 4, max_model_len=64, enable_prefix_caching=True)
+    bm = bm_mod.BlockManager(16, 4, max_model_len=64)  # prefix caching is on by default
     a = make_seq(1, 6)
     hit = bm.lookup(a)
     assert hit.num_tokens == 0 and bm.can_allocate(a, 6, hit), "stage 6: a cold cache finds nothing; 2 blocks fit"
@@ -292,6 +292,7 @@ def test_step10_or_its_blocks_are_swapped_to_cpu_memory_and_back():
 
 def test_step11_the_swap_pool_and_the_prefix_cache():
     bm = bm_mod.BlockManager(8, 4, max_model_len=64, enable_prefix_caching=True, num_cpu_blocks=3)
+    assert bm.cpu.num_free == 3, "stage 6: the swap pool (bm.cpu, stage 2's allocator) has num_cpu_blocks blocks"
     a, big = make_seq(1, 10), make_seq(2, 20)
     bm.allocate(a, 10)
     a.num_computed_tokens = 10
