@@ -16,8 +16,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from helpers import model_path, read_reference
 from pagedref import DEFAULT_MODEL, LLM, SamplingParams
@@ -145,6 +149,30 @@ def test_chunked_prefill_preemption_and_a_small_pool(method):
     llm = compare(spec, PROMPTS * 2, SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True),
                   max_model_len=128, num_kv_blocks=16, max_num_batched_tokens=24)
     assert llm.get_stats()["num_preemptions"] > 0, "the pool is small enough to preempt"
+
+
+def test_preemption_by_swap():
+    llm = compare({"model": str(DEFAULT_MODEL), "num_speculative_tokens": 3}, PROMPTS * 2,
+                  SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True), max_model_len=128, num_kv_blocks=16,
+                  preemption_mode="swap", swap_space=0.01)
+    assert llm.get_stats()["num_swap_outs"] > 0, "the pool is small enough to swap"
+
+
+@settings(max_examples=8, deadline=None)
+# a prompt of n = 2 whose last token is computed alone (budget 3): a "decode" that must fork, never speculate
+@example(k=1, method="ngram", budget=3, blocks=16, block_size=4, n=2, caching=False, lookup=1, seed=0)
+@given(k=st.integers(1, 6), method=st.sampled_from(["ngram", "draft"]), budget=st.sampled_from([3, 8, 64]),
+       blocks=st.sampled_from([16, 24, 64]), block_size=st.sampled_from([4, 16]), n=st.sampled_from([1, 2]),
+       caching=st.booleans(), lookup=st.integers(1, 4), seed=st.integers(0, 1000))
+def test_fuzz_greedy_speculation_equals_plain_decoding(k, method, budget, blocks, block_size, n, caching, lookup, seed):
+    rng = random.Random(seed)
+    prompts = [rng.choice(PROMPTS) + rng.choice(["", " the", " stage", "\n\n"]) for _ in range(rng.randint(1, 5))]
+    params = [SamplingParams(n=n, temperature=0.0, max_tokens=rng.randint(1, 70), ignore_eos=rng.random() < 0.7)
+              for _ in prompts]
+    spec = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": lookup} if method == "ngram"
+            else {"model": str(DEFAULT_MODEL), "num_speculative_tokens": k})
+    compare(spec, prompts, params, max_model_len=128, num_kv_blocks=blocks * 16 // block_size, block_size=block_size,
+            max_num_batched_tokens=budget, enable_prefix_caching=caching)
 
 
 def test_n_samples_share_their_prompt_and_copy_on_write_with_speculation():

@@ -438,13 +438,15 @@ class Scheduler:
 
     # --- speculative decoding (stage 8: pagedref.engine.spec_decode) -------------------------------
     def _propose(self, decodes: list[Sequence]) -> dict:
-        """Drafts for the decodes that may speculate: sampling requests (not beams), every token known
-        (synchronous loop), at most num_speculative_tokens and never past max_tokens or max_model_len
-        (the k drafts and the target's own token must fit). seq_id -> its Draft."""
+        """Drafts for the decodes that may speculate: every token known (synchronous loop), an ordinary next
+        token (not a beam's candidates, not the first samples a prompt of n > 1 forks into), at most
+        num_speculative_tokens and never past max_tokens or max_model_len (the k drafts and the target's
+        own token must fit). seq_id -> its Draft."""
         seqs, room = [], []
         k = self.proposer.num_speculative_tokens
         for seq in decodes:
-            if seq.num_placeholders or (seq.group is not None and seq.group.beam is not None):
+            group = seq.group
+            if seq.num_placeholders or (group is not None and (group.beam is not None or (group.n > 1 and not group.forked))):
                 continue
             n = k
             while n and self.stop_checker.ends_by_length(seq, n):
