@@ -253,8 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     configs = spec_configs(args, draft_dir, Path(model_dir))
     dtype = "bfloat16" if device == "cuda" else "float32"
     max_model_len = input_len + output_len + args.k + 1
+    # at most the largest batch at once; CUDA graphs for its decode steps, and piecewise ones up to its speculative
+    # steps' k + 1 rows a sequence (capturing the defaults' 1024 sequences and 2048 tokens would take longer than the run)
     llm_kwargs = dict(device=device, dtype=dtype, max_model_len=max_model_len, num_kv_blocks=args.num_kv_blocks,
-                      enforce_eager=args.enforce_eager, enable_prefix_caching=False)
+                      enforce_eager=args.enforce_eager, enable_prefix_caching=False, max_num_seqs=max(batches),
+                      max_capture_size=max(256, max(batches) * (args.k + 1)))
     doc = {"benchmark": "spec", "command": "python -m pagedref.bench spec " + " ".join(argv if argv is not None else sys.argv[1:]),
            "environment": environment(device), "model": name,
            "workload": {"workload": args.workload, "input_len": input_len, "output_len": output_len, "k": args.k,
