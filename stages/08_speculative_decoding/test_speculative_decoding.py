@@ -193,7 +193,7 @@ def test_step7_on_stories260k_prompt_lookup_changes_no_token():
     assert engine.block_manager.all_free(), "stage 8: every block is back in the pool when the requests are done"
 
 
-def test_step8_a_draft_model_keeps_its_own_paged_cache_in_step():
+def test_step8_a_draft_model_keeps_its_own_paged_cache_in_step(tmp_path):
     k = 3
     llm = engine_with({"model": str(STORIES), "num_speculative_tokens": k})  # the draft is the target itself
     engine = llm.llm_engine
@@ -211,3 +211,25 @@ def test_step8_a_draft_model_keeps_its_own_paged_cache_in_step():
     assert stats["spec_mean_accepted_length"] > k, "stage 8: nearly k + 1 tokens per speculative step"
     assert not proposer.kv.seqs and proposer.kv.allocator.num_free == 6 * 32 + 8, \
         "stage 8: a finished sequence's draft blocks go back too (free(seq)): the draft's block tables end empty"
+    # a draft the target often rejects: stories260K's first 4 of its 5 layers
+    from pagedref.bench.spec import shallow_draft
+
+    llm = engine_with({"model": str(shallow_draft(STORIES, 4, tmp_path / "draft")), "num_speculative_tokens": k})
+    engine = llm.llm_engine
+    proposer = engine.scheduler.proposer = spec.DraftModelProposer(engine.scheduler.proposer.runner, 6 * 32 + 8, k, 512)
+    engine.runner.rejection_sampler = spec.RejectionSampler()
+    case = cases[1]
+    engine.add_request("once", {"prompt": case["prompt"], "prompt_token_ids": case["prompt_ids"]}, GREEDY)
+    seq = engine.requests["once"].seqs[0]
+    while engine.has_unfinished_requests():  # the step contract, call by call
+        out = engine.scheduler.schedule()
+        if seq.seq_id in proposer.kv.seqs:  # right after a proposal: the draft's table holds the sequence's tokens
+            drafted = proposer.kv.seqs[seq.seq_id].token_ids
+            assert drafted[:seq.num_tokens] == seq.token_ids, (
+                "stage 8: before it proposes, the draft's table is rolled back to the tokens the target kept, then "
+                "catches up: the drafts the target rejected must not stay in it")
+        engine.scheduler.update(out, engine.runner.execute(out))
+    assert seq.output_token_ids == expected(case), "stage 8: a draft that is often wrong changes no token either"
+    stats = llm.get_stats()
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], \
+        "stage 8: this draft is right at times and wrong at times"
