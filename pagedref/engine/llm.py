@@ -449,7 +449,9 @@ def _num_blocks(config: EngineConfig, weights, backend, workers, draft_block_byt
     if num_kv_blocks is None:
         if config.device == "cpu":
             where = f"cpu_kv_cache_bytes={cache.cpu_kv_cache_bytes}"
-            num_kv_blocks = min(num_blocks_from_budget(cache.cpu_kv_cache_bytes, block_bytes), sched.max_num_seqs * blocks_per_seq)
+            # (a draft model's pool of as many blocks shares the budget; the cap is what the target can use)
+            num_kv_blocks = min(num_blocks_from_budget(cache.cpu_kv_cache_bytes, block_bytes + draft_block_bytes),
+                                sched.max_num_seqs * blocks_per_seq)
         else:
             where = f"gpu_memory_utilization={cache.gpu_memory_utilization}"
             args = (cache.block_size, sched.max_num_batched_tokens, sched.max_num_seqs, config.max_model_len,
@@ -458,7 +460,7 @@ def _num_blocks(config: EngineConfig, weights, backend, workers, draft_block_byt
                 num_kv_blocks = workers.profile_num_blocks(profile_num_gpu_blocks, weights, backend, *args)
             else:
                 num_kv_blocks = profile_num_gpu_blocks(weights, backend, *args)
-        num_kv_blocks = num_kv_blocks * block_bytes // (block_bytes + draft_block_bytes)  # the draft's pool: its share
+            num_kv_blocks = num_kv_blocks * block_bytes // (block_bytes + draft_block_bytes)  # the draft's pool: its share
     else:
         where = f"num_kv_blocks={num_kv_blocks}"
     if num_kv_blocks < blocks_per_seq:
