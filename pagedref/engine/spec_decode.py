@@ -37,7 +37,7 @@ each emitted token follows the target's distribution.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, Sequence as Seq
 
 import numpy as np
