@@ -195,8 +195,9 @@ class Scheduler:
            step preempted or a sequence is swapped out: its prompt minus its prefix-cache hit, cut to the
            budget left (chunked prefill) or whole or not at all (enable_chunked_prefill=False).
         With prefill_first, pass 3 runs first and a step that admits a prompt runs nothing else.
-        Each scheduled sequence's num_computed_tokens (and placeholder) moves at once; a non-empty output
-        joins in_flight until its update()."""
+        Each scheduled sequence's num_computed_tokens (and placeholder) moves at once; a request's first
+        admission sets its group's num_cached_tokens (the prefix cache's share of its prompt) and
+        metrics.first_scheduled_time. A non-empty output joins in_flight until its update()."""
         prev = self.in_flight[-1] if self.in_flight else None  # async: its tokens are not known yet
         prev_index = {seq.seq_id: i for i, seq in enumerate(prev.sampling_seqs())} if prev is not None else None
         step = _Step(self.config.max_num_batched_tokens, prev_index)

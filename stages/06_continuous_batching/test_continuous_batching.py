@@ -166,6 +166,8 @@ def test_step4_one_step_is_schedule_execute_update():
     advance(s, out)
     assert a.output_token_ids == [NEW_TOKEN] and a.num_uncomputed_tokens == 1, \
         "stage 6: update() appends the sampled token (the one writer of what a step produced): a decodes next"
+    with raises(RuntimeError, "stage 6: update() takes each step once, in the order schedule() returned them"):
+        advance(s, out)
     s.finish(a, seq_mod.SequenceStatus.FINISHED_STOPPED)
     out = s.schedule()
     assert out.is_empty and not s.has_unfinished(), "stage 6: nothing left: an empty output, and nothing unfinished"
@@ -210,34 +212,36 @@ def test_step7_a_finished_sequence_frees_its_blocks_at_once():
     assert s.block_manager.num_free_blocks == 16 - 3 - 1, "stage 6: 9 tokens in blocks of 4 = 3 blocks, and b's 1"
     advance(s, out)
     assert a.status.finish_reason == "length", "stage 6: update() applies the stop rules: a has its max_tokens=1"
+    assert s.num_generated_tokens == 2, "stage 6: num_generated_tokens counts the tokens update() appended: a's and b's"
     assert s.block_manager.num_free_blocks == 16 - 1 and ids(s.running) == [2], \
         "stage 6: a finished sequence's blocks are freed in the update of the step it finished, not at the end of a batch"
 
 
 def test_step8_n_samples_fork_after_the_prompt_and_share_its_blocks():
     s = make_scheduler(num_blocks=16)
-    params = SamplingParams(n=3, temperature=0.0, max_tokens=10)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=10)
     group = seq_mod.SequenceGroup("r1", None, [1, 2, 3, 4, 5, 6], params)  # as LLMEngine.add_request makes it
-    group.seqs = [seq_mod.Sequence(1 + i, "r1", [1, 2, 3, 4, 5, 6], 6, params, i, group=group) for i in range(3)]
+    group.seqs = [seq_mod.Sequence(1 + i, "r1", [1, 2, 3, 4, 5, 6], 6, params, i, group=group) for i in range(2)]
     s.add(group.seqs[0])
     out = s.schedule()
-    assert batch(out) == [(1, 6)] and ids(out.sampling_seqs()) == [1, 2, 3], \
-        "stage 6: n=3: the prompt is prefilled once, and its last row samples the first token of all 3 sequences"
-    s.update(out, SamplerOutput([7, 8, 9]))
+    assert batch(out) == [(1, 6)] and ids(out.sampling_seqs()) == [1, 2], \
+        "stage 6: n=2: the prompt is prefilled once, and its last row samples the first token of both sequences"
+    s.update(out, SamplerOutput([7, 8]))
     bm = s.block_manager
-    assert ids(s.running) == [1, 2, 3] and [seq.output_token_ids for seq in group.seqs] == [[7], [8], [9]], \
-        "stage 6: update() forks the prompt's sequence into 3, each with its own first token"
-    assert bm.block_ids(group.seqs[1]) == bm.block_ids(group.seqs[2]) == bm.block_ids(group.seqs[0]) \
-        and bm.num_free_blocks == 14, "stage 6: the forks share the prompt's 2 blocks (stage 4's fork): no block taken"
+    assert ids(s.running) == [1, 2] and [seq.output_token_ids for seq in group.seqs] == [[7], [8]], \
+        "stage 6: update() forks the prompt's sequence into 2, each with its own first token"
+    assert bm.block_ids(group.seqs[1]) == bm.block_ids(group.seqs[0]) and bm.num_free_blocks == 14, \
+        "stage 6: the fork shares the prompt's 2 blocks (stage 4's fork): no block taken"
     out = s.schedule()
-    shared = bm.block_ids(group.seqs[2])[:1]
-    assert batch(out) == [(1, 1), (2, 1), (3, 1)] and len(out.blocks_to_copy) == 2, \
-        "stage 6: each writes its token into the shared, partly filled block: 2 copy it first, the last writes in place"
-    assert [bm.block_ids(seq)[0] for seq in group.seqs] == shared * 3, "stage 6: the full first block stays shared"
+    shared = bm.block_ids(group.seqs[1])[:1]
+    assert batch(out) == [(1, 1), (2, 1)] and len(out.blocks_to_copy) == 1, \
+        "stage 6: both write a token into the shared, partly filled block: the first copies it, the last writes in place"
+    assert ids(out.sampling_seqs()) == [1, 2], "stage 6: forked once: from now on each samples its own next token"
+    assert [bm.block_ids(seq)[0] for seq in group.seqs] == shared * 2, "stage 6: the full first block stays shared"
 
 
 def test_step9_out_of_blocks_the_latest_admitted_is_preempted_and_recomputed_later():
-    s = make_scheduler(num_blocks=4)
+    s = make_scheduler(num_blocks=4, num_cpu_blocks=4)  # preemption_mode="recompute", though a swap pool is there
     a, b, c, d = make_seq(1, 4), make_seq(2, 3), make_seq(3, 8), make_seq(4, 2)
     for seq in (a, b, c):  # 1 + 1 + 2 blocks: the pool is full after the prefills
         s.add(seq)
@@ -253,12 +257,18 @@ def test_step9_out_of_blocks_the_latest_admitted_is_preempted_and_recomputed_lat
         "stage 6: the preempted c goes to the *front* of the waiting queue, ahead of d, which arrived later"
     assert c.num_tokens == 9, "stage 6: preemption never drops tokens: c keeps its prompt and its sampled token"
     advance(s, out)
+    for _ in range(3):  # a and b decode; b takes the last free block
+        advance(s, s.schedule())
+    out = s.schedule()  # a needs a block again: b is the most recently admitted running sequence now
+    assert ids(out.preempted) == [2] and ids(s.waiting) == [2, 3, 4], \
+        "stage 6: b is the victim now, and goes to the front of the waiting queue, ahead of c"
+    assert (s.num_preemptions, s.num_swap_outs) == (2, 0), "stage 6: num_preemptions counts both; none swapped"
+    advance(s, out)
     s.finish(a, seq_mod.SequenceStatus.FINISHED_STOPPED)
-    s.finish(b, seq_mod.SequenceStatus.FINISHED_STOPPED)
+    s.finish(b, seq_mod.SequenceStatus.FINISHED_STOPPED)  # (a waiting sequence can finish: an abort)
     out = s.schedule()
     assert batch(out) == [(3, 9), (4, 2)], \
         "stage 6: c resumes first, prefilling its prompt *and* its generated token again; then d, which came later"
-    assert s.num_preemptions == 1 and s.num_swap_outs == 0, "stage 6: num_preemptions counts it; none swapped"
 
 
 def test_step10_or_its_blocks_are_swapped_to_cpu_memory_and_back():
@@ -288,6 +298,25 @@ def test_step10_or_its_blocks_are_swapped_to_cpu_memory_and_back():
         "stage 6: swapped sequences come back before waiting ones: b simply decodes its next token, then d joins"
     assert [cpu for cpu, _ in out.blocks_to_swap_in] == cpu_blocks, \
         "stage 6: b's K/V are copied back from the CPU blocks they were swapped out to"
+    assert b.status is seq_mod.SequenceStatus.RUNNING and ids(s.running) == [2, 4] \
+        and out.scheduled[0].slot_mapping == [s.block_manager.block_ids(b)[2] * 4], \
+        "stage 6: b is RUNNING again, and its token 8 has its slot in b's third block"
+
+    # Two victims in one step, one with a single computed token: both swapped, both back in one step.
+    s = make_scheduler(num_blocks=3, mode="swap", num_cpu_blocks=8)
+    a, b, c = make_seq(1, 4), make_seq(2, 4), make_seq(3, 1)  # a block each: the pool is full after the prefills
+    for seq in (a, b, c):
+        s.add(seq)
+    advance(s, s.schedule())
+    out = s.schedule()  # a's decode needs a block: c is the victim; then b's needs one: b swaps itself out
+    assert ids(out.preempted) == [3, 2] and ids(s.swapped) == [2, 3] and s.num_swap_outs == 2, \
+        "stage 6: both victims are swapped (c with its single computed token too), the oldest first in s.swapped"
+    assert len(out.blocks_to_swap_out) == 2, "stage 6: blocks_to_swap_out holds the copies of both victims"
+    advance(s, out)
+    s.finish(a, seq_mod.SequenceStatus.FINISHED_STOPPED)
+    out = s.schedule()
+    assert batch(out) == [(2, 1), (3, 1)] and len(out.blocks_to_swap_in) == 2, \
+        "stage 6: both come back in one step, oldest first: blocks_to_swap_in holds both copies"
 
 
 def test_step11_the_swap_pool_and_the_prefix_cache():
@@ -365,14 +394,15 @@ def test_step14_idle_beams_give_their_blocks_back_before_anyone_is_preempted():
     s.add(x)
     s.add(first)
 
-    def candidates(*tokens):  # a beam's report: its 2 x beam_width most likely next tokens
-        return (-0.1, {t: seq_mod.Logprob(-0.1 * (k + 1), k + 1) for k, t in enumerate(tokens)})
+    def candidates(*tokens, step=-0.1):  # a beam's report: its 2 x beam_width most likely next tokens
+        return (step, {t: seq_mod.Logprob(step * (k + 1), k + 1) for k, t in enumerate(tokens)})
 
     out = s.schedule()
     s.update(out, SamplerOutput([NEW_TOKEN, 50], logprobs=[None, candidates(50, 51, 52, 53)]))
     beams = list(group.beam.live)
     assert [seq.token_ids[-1] for seq in beams] == [50, 51] and ids(s.running) == [x.seq_id] + ids(beams), \
         "stage 6: update() ranks the round: the 2 best candidates fork the first beam"
+    assert s.num_generated_tokens == 2, "stage 6: num_generated_tokens counts x's token and the beam's report"
     out = s.schedule()  # max_num_seqs=2: x and the first beam; the second waits for the next step
     s.update(out, SamplerOutput([NEW_TOKEN, 60], logprobs=[None, candidates(60, 61, 62, 63)]))
     idle = beams[0]
@@ -383,6 +413,20 @@ def test_step14_idle_beams_give_their_blocks_back_before_anyone_is_preempted():
         f"stage 6: when blocks run short, idle beams give theirs back first: beam {idle.seq_id}'s, not a preemption"
     assert not s.block_manager.has_blocks(idle) and idle.seq_id not in ids(s.running) + ids(s.waiting), \
         f"stage 6: the idle beam {idle.seq_id} holds no block and waits in no queue (its round's ranking decides)"
+    assert (idle.num_computed_tokens, idle.status, s.num_preemptions) == (0, seq_mod.SequenceStatus.WAITING, 1), \
+        "stage 6: its K/V are gone: nothing computed, WAITING; num_preemptions counts the blocks taken back"
+    s.update(out, SamplerOutput([NEW_TOKEN, 70], logprobs=[None, candidates(70, 71, 72, 73, step=-0.04)]))
+    survivors = group.beam.live  # the best: the idle beam's 60, then the second beam's 70
+    assert [seq.token_ids[-2:] for seq in survivors] == [[50, 60], [51, 70]] and group.seqs == survivors, \
+        "stage 6: the round is ranked once the second beam reports: one survivor of each beam"
+    assert (survivors[0].status, survivors[0].num_computed_tokens) == (seq_mod.SequenceStatus.WAITING, 0) \
+        and ids(s.waiting) == ids(survivors[:1]), \
+        "stage 6: a survivor of the beam whose blocks were taken back waits to be recomputed from its tokens"
+    assert survivors[1].status is seq_mod.SequenceStatus.RUNNING and ids(s.running) == [x.seq_id, survivors[1].seq_id] \
+        and all(beam.status is seq_mod.SequenceStatus.FINISHED_STOPPED for beam in beams), \
+        "stage 6: the other forks its running parent's blocks; the parents are finished"
+    assert s.num_requests() == {"running": 2, "waiting": 0, "swapped": 0}, \
+        "stage 6: num_requests() counts a request once, where its first sequence is: running before swapped and waiting"
 
 
 def test_step15_the_same_scheduler_over_stage_1s_reservations():

@@ -1,9 +1,9 @@
 """Stage 7 — the token budget: chunked prefill mixed with decodes, one lesson step per test, in order.
 
-Steps 1–6 drive your scheduler by hand (no model; `advance()` plays the model runner and hands its
-tokens to your `update`) over the reference block manager. Step 7 builds one mixed step's attention
-metadata with the (given) model runner from your scheduler's output; step 8 runs the reference engine
-around your scheduler on a real model, at three budgets. Step 9 is vLLM v0's policy; step 10 schedules
+Steps 1–7 drive your scheduler by hand (no model; `advance()` plays the model runner and hands its
+tokens to your `update`) over the reference block manager. Step 8 builds one mixed step's attention
+metadata with the (given) model runner from your scheduler's output; step 9 runs the reference engine
+around your scheduler on a real model, at three budgets. Step 10 is vLLM v0's policy; step 11 schedules
 a step before the previous one's tokens are known (async scheduling). Messages name sequences by their
 ids (a: 1, b: 2, ...).
 
@@ -45,6 +45,10 @@ def advance(s, out) -> list[int]:
     return [seq.seq_id for seq in sampling]
 
 
+def ids_of(seqs) -> list[int]:
+    return [seq.seq_id for seq in seqs]
+
+
 def batch(out) -> list[tuple[int, int]]:
     """The step's batch as (sequence id, tokens computed) pairs, in batch order."""
     return [(entry.seq.seq_id, entry.num_new_tokens) for entry in out.scheduled]
@@ -72,11 +76,13 @@ def test_step2_decodes_count_against_the_budget_too():
     group.seqs = [Sequence(1 + i, "r1", [1, 2], 2, params, i, group=group) for i in range(3)]
     s.add(group.seqs[0])
     assert advance(s, s.schedule()) == [1, 2, 3], "stage 7: the 2-token prompt fits the budget: its last row samples 3"
+    s.add(make_seq(4, [5, 6]))
     out = s.schedule()
     assert out.num_batched_tokens == 2 and batch(out) == [(1, 1), (2, 1)], \
         "stage 7: 3 decoders, budget 2: a decode costs 1 token of the budget too, so only 2 decode in this step"
     assert group.seqs[2].num_uncomputed_tokens == 1 and s.num_requests()["running"] == 1 and s.has_unfinished(), \
-        "stage 7: the third keeps its token to compute for a later step (it stays running)"
+        "stage 7: the third keeps its token to compute for a later step (it stays running), and the new request " \
+        "waits: no budget is left for it"
 
 
 def test_step3_decodes_go_first_and_a_prefill_chunk_gets_what_is_left():
@@ -141,15 +147,39 @@ def test_step6_prefix_cache_hits_skip_tokens_already_computed():
     assert out.scheduled[1].num_computed_tokens == 8 and batch(out) == [(1, 1), (2, 1)], \
         "stage 7: b's first 8 tokens are cached: it computes only its last token, from position 8"
     advance(s, out)
-    c = make_seq(3, list(system))
+    params = SamplingParams(temperature=0.0, max_tokens=100)
+    group = SequenceGroup("r3", None, list(system), params)  # a request, as the engine makes it
+    c = Sequence(3, "r3", list(system), 8, params, group=group)
+    group.seqs = [c]
     s.add(c)
     out = s.schedule()
     assert out.scheduled[-1].num_computed_tokens == 4 and batch(out)[-1] == (3, 4), \
         "stage 7: a whole-prompt hit still computes the last token (its logits sample the first new token): the " \
         "lookup covers only whole blocks before it, so c's 8 tokens, 2 full blocks, compute the second again"
+    assert group.num_cached_tokens == 4 and group.metrics.first_scheduled_time is not None, \
+        "stage 7: a request's first admission records its prompt tokens found in the cache (num_cached_tokens, which " \
+        "RequestOutput reports) and when it was first scheduled"
 
 
-def test_step7_one_step_one_metadata_for_decodes_and_chunks_together():
+def test_step7_a_partly_prefilled_prompt_swapped_out_comes_back_with_its_next_chunk():
+    bm = BlockManager(4, 4, max_model_len=64, enable_prefix_caching=False, num_cpu_blocks=4)
+    s = sched_mod.Scheduler(sched_mod.SchedulerConfig(8, 6, True, "swap"), bm)
+    a, x = make_seq(1, [1, 2, 3]), make_seq(2, list(range(20)))
+    s.add(a)
+    s.add(x)
+    advance(s, s.schedule())  # a's prompt and 3 of x's
+    advance(s, s.schedule())  # a's decode and 5 more of x's
+    out = s.schedule()  # a's decode takes the last block; x's next chunk needs one: x swaps itself out
+    assert ids_of(out.preempted) == [2] and x.status is SequenceStatus.SWAPPED and x.num_computed_tokens == 8, \
+        "stage 7: x is swapped out part way through its prompt, its 8 computed tokens' K/V to the CPU"
+    advance(s, out)
+    s.finish(a, SequenceStatus.FINISHED_STOPPED)
+    out = s.schedule()
+    assert batch(out) == [(2, 6)] and x.status is SequenceStatus.RUNNING, \
+        "stage 7: x comes back with the next chunk of its prompt, as much as the budget holds (6 of its 12 left)"
+
+
+def test_step8_one_step_one_metadata_for_decodes_and_chunks_together():
     s = make_scheduler(budget=8)
     a, b = make_seq(1, [1, 2, 3, 4, 5]), make_seq(2, list(range(20)))
     s.add(a)
@@ -172,7 +202,7 @@ def test_step7_one_step_one_metadata_for_decodes_and_chunks_together():
     assert step.sample_rows == [0], "stage 7: only a samples: only the chunk that completes a prompt samples, and b's does not"
 
 
-def test_step8_on_a_real_model_every_budget_gives_the_unchunked_logits_bit_for_bit():
+def test_step9_on_a_real_model_every_budget_gives_the_unchunked_logits_bit_for_bit():
     prompts = ["Once upon a time, there was a little girl named Lily.", "The little dog was sad because", "Tom"]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     whole = LLM(DEFAULT_MODEL, device="cpu", max_model_len=64, num_kv_blocks=16, record_logits=True,  # the reference, unchunked
@@ -186,7 +216,7 @@ def test_step8_on_a_real_model_every_budget_gives_the_unchunked_logits_bit_for_b
                 f"stage 7: budget {budget}: {prompt!r} must get the unchunked logits bit for bit"
 
 
-def test_step9_vllm_v0_without_chunking_gives_prompts_steps_of_their_own_and_decodes_wait():
+def test_step10_vllm_v0_without_chunking_gives_prompts_steps_of_their_own_and_decodes_wait():
     with raises(ValueError, "stage 7: chunked prefill schedules decodes first: prefill_first=True with it is refused",
                 match="prefill_first"):
         sched_mod.SchedulerConfig(8, 16, True, "recompute", True)
@@ -205,22 +235,30 @@ def test_step9_vllm_v0_without_chunking_gives_prompts_steps_of_their_own_and_dec
     assert batch(s.schedule()) == [(1, 1), (2, 1), (3, 1)], "stage 7: prefill_first: no prompt waiting, so all decode"
 
 
-def test_step10_the_next_step_is_scheduled_before_this_ones_tokens_are_known():
+def test_step11_the_next_step_is_scheduled_before_this_ones_tokens_are_known():
     s = make_scheduler(budget=16)
-    a, b = make_seq(1, [1, 2, 3]), make_seq(2, [4, 5], max_tokens=1)
-    s.add(a)
-    s.add(b)
-    first = s.schedule()  # both prompts: each samples its first token
-    assert a.num_placeholders == 1 and a.num_uncomputed_tokens == 1 and b.num_placeholders == 0, \
-        "stage 7: schedule() counts the token a step will sample as a placeholder, if it is an ordinary next token " \
-        "(b's first token is its last: max_tokens=1)"
+    params = SamplingParams(temperature=0.0, max_tokens=100)
+    group = SequenceGroup("r1", None, [1, 2, 3], params)  # a request of one sequence, as the engine makes it
+    a = Sequence(1, "r1", [1, 2, 3], 3, params, group=group)
+    group.seqs = [a]
+    b, c, d = make_seq(2, [4, 5], max_tokens=1), make_seq(3, [6], max_tokens=2), make_seq(4, [8, 9])
+    for seq in (a, b, c, d):
+        s.add(seq)
+    first = s.schedule()  # every prompt samples its first token
+    assert [seq.num_placeholders for seq in (a, b, c, d)] == [1, 0, 1, 1] and a.num_uncomputed_tokens == 1, \
+        "stage 7: schedule() counts the token a step will sample as a placeholder if it is an ordinary next token: " \
+        "not b's (its first token is its last: max_tokens=1), but c's (max_tokens=2: one more to come)"
     second = s.schedule()  # before first's tokens are known (async scheduling: the GPU still runs first)
-    [entry] = second.scheduled
-    assert (entry.seq.seq_id, entry.num_computed_tokens, entry.prev_sample_index) == (1, 3, 0), \
-        "stage 7: a decodes the token first samples for it (index 0 of first's samples: the runner reads it on the device)"
-    s.update(first, SamplerOutput([NEW_TOKEN, NEW_TOKEN]))
+    assert batch(second) == [(1, 1), (3, 1), (4, 1)] and second.scheduled[0].num_computed_tokens == 3 \
+        and [(e.prev_sample_index, e.token_ids) for e in second.scheduled] == [(0, [0]), (2, [0]), (3, [0])], \
+        "stage 7: a, c and d decode the tokens first samples for them: indexes 0, 2 and 3 of first's samples, " \
+        "which the runner reads on the device (token_ids holds a 0 in their place)"
+    s.finish(c, SequenceStatus.FINISHED_ABORTED)  # aborted while first and second are in flight
+    s.update(first, SamplerOutput([NEW_TOKEN] * 4))
     assert a.token_ids[-1] == NEW_TOKEN and a.num_placeholders == 1 and b.status.finish_reason == "length", \
         "stage 7: update resolves first's placeholders in order (second's is still in flight)"
-    s.update(second, SamplerOutput([8]))
+    assert c.output_token_ids == [] and d.output_token_ids == [NEW_TOKEN], \
+        "stage 7: a sequence stopped (aborted) while its step was in flight gets nothing from it; the next ones do"
+    s.update(second, SamplerOutput([8, 8, 8]))
     assert a.output_token_ids == [NEW_TOKEN, 8] and a.num_placeholders == 0, \
         "stage 7: update(second) appends a's second token in its placeholder's place"
