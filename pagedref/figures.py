@@ -519,6 +519,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 SERVE_RESULTS = RESULTS / "serve-2026-11-30-1000.json"
 LATENCY_RESULTS = RESULTS / "latency-llama-3.1-8b-2026-11-30-poisson-seed1.json"
 KERNEL_RESULTS = RESULTS / "kernel-2026-11-30.json"
+ONLINE_RESULTS = RESULTS / "online-llama-3.1-8b-2026-12-01.json"
 
 
 def _from_results(bench, results: Path, out: Path, name: str) -> list[Path]:
@@ -543,6 +544,13 @@ def fig_latency(out: Path, quick: bool) -> list[Path]:
     from pagedref.bench import latency
 
     return _from_results(latency, LATENCY_RESULTS, out, "latency")
+
+
+def fig_online(out: Path, quick: bool) -> list[Path]:
+    """`bench online` on the H200: TTFT, TPOT and ITL against the request rate, over HTTP."""
+    from pagedref.bench import online
+
+    return _from_results(online, ONLINE_RESULTS, out, "online")
 
 
 def fig_kernel(out: Path, quick: bool) -> list[Path]:
@@ -584,6 +592,7 @@ FIGURES: dict[str, Callable[[Path, bool], list[Path]]] = {  # name -> draws <nam
     "speculative_decoding": fig_speculative_decoding,
     "serve": fig_serve,
     "latency": fig_latency,
+    "online": fig_online,
 }
 
 
