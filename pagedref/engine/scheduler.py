@@ -425,17 +425,23 @@ class Scheduler:
             pos = seq.num_tokens - 1
             if seq.num_computed_tokens > pos and seq.status is SequenceStatus.RUNNING:  # its slot was given unknown
                 self.block_manager.set_token(seq, pos)
+        self._took(seq, sampled.logprobs, sampled.logits, i)
+
+    def _took(self, seq: Sequence, logprobs: list, logits: list, i: int) -> bool:
+        """A token just joined the sequence: count it, keep its logprobs and logits (entry i of the
+        step's, when the request asked), then the stop rules. True if it finished the sequence."""
         self.num_generated_tokens += 1
         if seq.logprobs is not None:
-            logprob, top = sampled.logprobs[i]
+            logprob, top = logprobs[i]
             self._name_tokens(top)
             seq.logprobs.append(top)
             seq.cumulative_logprob += logprob
         if seq.logits is not None:
-            seq.logits.append(sampled.logits[i])
+            seq.logits.append(logits[i])
         status = self.stop_checker(seq)
         if status is not None:
             self.finish(seq, status)
+        return status is not None
 
     # --- speculative decoding (stage 8: pagedref.engine.spec_decode) -------------------------------
     def _propose(self, decodes: list[Sequence]) -> dict:
@@ -479,17 +485,7 @@ class Scheduler:
             if r < accepted:  # an accepted draft: its K/V are in the cache, and now it is a known token
                 seq.num_computed_tokens += 1
                 self.block_manager.set_token(seq, known + r)
-            self.num_generated_tokens += 1
-            if seq.logprobs is not None:
-                logprob, top = result.logprobs[r]
-                self._name_tokens(top)
-                seq.logprobs.append(top)
-                seq.cumulative_logprob += logprob
-            if seq.logits is not None:
-                seq.logits.append(result.logits[r])
-            status = self.stop_checker(seq)
-            if status is not None:
-                self.finish(seq, status)
+            if self._took(seq, result.logprobs, result.logits, r):
                 return
 
     def _name_tokens(self, top: dict[int, Logprob]) -> None:
