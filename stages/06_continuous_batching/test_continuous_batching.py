@@ -427,6 +427,12 @@ def test_step14_idle_beams_give_their_blocks_back_before_anyone_is_preempted():
         "stage 6: the other forks its running parent's blocks; the parents are finished"
     assert s.num_requests() == {"running": 2, "waiting": 0, "swapped": 0}, \
         "stage 6: num_requests() counts a request once, where its first sequence is: running before swapped and waiting"
+    out = s.schedule()  # x and the running survivor decode; the other survivor waits for blocks
+    s.update(out, SamplerOutput([NEW_TOKEN, 80], logprobs=[None, candidates(80, 81, 82, 83)]))
+    advance(s, s.schedule())  # x alone: the survivor that reported is idle, waiting for the other's report
+    out = s.schedule()  # x needs a block: the idle survivor's are taken back
+    assert ids(out.preempted) == [] and s.num_preemptions == 2, \
+        "stage 6: blocks taken back from an idle beam again: num_preemptions counts each time"
 
 
 def test_step15_the_same_scheduler_over_stage_1s_reservations():

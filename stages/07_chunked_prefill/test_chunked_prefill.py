@@ -75,7 +75,10 @@ def test_step2_decodes_count_against_the_budget_too():
     group = SequenceGroup("r1", None, [1, 2], params)  # n=3: 3 sequences decode after the prompt (stage 6)
     group.seqs = [Sequence(1 + i, "r1", [1, 2], 2, params, i, group=group) for i in range(3)]
     s.add(group.seqs[0])
-    assert advance(s, s.schedule()) == [1, 2, 3], "stage 7: the 2-token prompt fits the budget: its last row samples 3"
+    out = s.schedule()
+    assert ids_of(out.sampling_seqs()) == [1, 2, 3], "stage 7: the 2-token prompt fits the budget: its last row samples 3"
+    s.update(out, SamplerOutput([7, 8, 9]))
+    assert [seq.output_token_ids for seq in group.seqs] == [[7], [8], [9]], "stage 7: one token each, in order"
     s.add(make_seq(4, [5, 6]))
     out = s.schedule()
     assert out.num_batched_tokens == 2 and batch(out) == [(1, 1), (2, 1)], \
@@ -236,7 +239,7 @@ def test_step10_vllm_v0_without_chunking_gives_prompts_steps_of_their_own_and_de
 
 
 def test_step11_the_next_step_is_scheduled_before_this_ones_tokens_are_known():
-    s = make_scheduler(budget=16)
+    s = make_scheduler(budget=16, caching=True)
     params = SamplingParams(temperature=0.0, max_tokens=100)
     group = SequenceGroup("r1", None, [1, 2, 3], params)  # a request of one sequence, as the engine makes it
     a = Sequence(1, "r1", [1, 2, 3], 3, params, group=group)
@@ -259,6 +262,9 @@ def test_step11_the_next_step_is_scheduled_before_this_ones_tokens_are_known():
         "stage 7: update resolves first's placeholders in order (second's is still in flight)"
     assert c.output_token_ids == [] and d.output_token_ids == [NEW_TOKEN], \
         "stage 7: a sequence stopped (aborted) while its step was in flight gets nothing from it; the next ones do"
+    assert s.block_manager.lookup(make_seq(9, [1, 2, 3, NEW_TOKEN, 5])).num_tokens == 4, \
+        "stage 7: a's token 3 had its slot (second's decode) before it was known: update names it (set_token), and " \
+        "a's first block, full and known now, is in the prefix cache"
     s.update(second, SamplerOutput([8, 8, 8]))
     assert a.output_token_ids == [NEW_TOKEN, 8] and a.num_placeholders == 0, \
         "stage 7: update(second) appends a's second token in its placeholder's place"
