@@ -227,9 +227,9 @@ def sampling_fields(args: argparse.Namespace, spec: PromptSpec, index: int, is_d
 
 def resolve_device(name: str, parser: argparse.ArgumentParser | None = None) -> str:
     """auto -> "cuda" when torch sees a GPU and cupy (the kernels' runtime) works, else "cpu" (the
-    engine's own rule: `pagedref.engine.llm.resolve_device`). With a parser, an explicit "cuda" that
+    engine's own rule: `pagedref.engine.config.resolve_device`). With a parser, an explicit "cuda" that
     torch cannot see is its usage error."""
-    from pagedref.engine.llm import resolve_device as engine_device
+    from pagedref.engine.config import resolve_device as engine_device
 
     try:
         return engine_device(name)

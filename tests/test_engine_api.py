@@ -195,7 +195,7 @@ def test_the_bundled_model_runs_with_vllms_defaults():
 
 def test_device_auto_takes_cuda_when_a_gpu_and_cupy_are_there(monkeypatch):
     import pagedref.kernels
-    from pagedref.engine.llm import resolve_device
+    from pagedref.engine.config import resolve_device
 
     monkeypatch.setattr(pagedref.kernels, "gpu_available", lambda: True)
     assert resolve_device("auto") == "cuda"

@@ -48,7 +48,7 @@ import torch
 
 from pagedref.engine.beam_search import BeamSearchOutput, BeamState, beam_search, round_params
 from pagedref.engine.block_manager import BlockManager, ContiguousBlockManager
-from pagedref.engine.config import MAX_DECODE_GRAPH_BATCH, EngineArgs, EngineConfig, MiB, resolve_device  # noqa: F401
+from pagedref.engine.config import MAX_DECODE_GRAPH_BATCH, EngineArgs, EngineConfig, MiB
 from pagedref.engine.cuda_graph import CUDAGraphConfig
 from pagedref.engine.model_runner import (GiB, DriverRunner, ModelRunner, ModelRunnerOutput, kv_block_bytes,
                                           num_blocks_from_budget, profile_num_gpu_blocks)
