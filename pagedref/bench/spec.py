@@ -149,11 +149,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"{r['batch']:>5} {r['method']:<10} skipped: {r['skipped']}")
             continue
         ratio = f"{r['output_tokens_per_s'] / base[r['batch']]:.2f}x" if r["batch"] in base else "-"
-        spec = r["method"] != "none"
+        spec = r["method"] != "none" and r["draft_tokens"] > 0  # a proposer that never found a draft: plain decodes
         accept = f"{r['acceptance_rate']:.1%}" if spec else "-"
         per_step = f"{r['mean_accepted_length']:.2f}" if spec else "1.00"
+        note = r.get("note", "") or ("no draft proposed" if r["method"] != "none" and not spec else "")
         lines.append(f"{r['batch']:>5} {r['method']:<10} {r['output_tokens_per_s']:>10.1f} {ratio:>8} {r['steps']:>7} "
-                     f"{accept:>7} {per_step:>8}  {r.get('note', '')}")
+                     f"{accept:>7} {per_step:>8}  {note}")
     return "\n".join(lines)
 
 

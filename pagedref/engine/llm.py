@@ -128,6 +128,7 @@ class LLMEngine:
                 block_manager = ContiguousBlockManager(num_kv_blocks, cache.block_size, config.max_model_len)
             scheduler = (config.scheduler_cls or Scheduler)(sched_config, block_manager)
             runner_args = (weights, backend, num_kv_blocks, cache.block_size, device, dtype, num_cpu_blocks)
+            graphs = None
             if workers:  # tensor parallel: eager (every rank would have to capture and replay in step)
                 workers.run("init_kv_cache", num_kv_blocks, cache.block_size, num_cpu_blocks)
                 runner = DriverRunner(*runner_args, workers=workers)
@@ -140,7 +141,7 @@ class LLMEngine:
                 runner = ModelRunner(*runner_args, graphs=graphs)
             if spec is not None:  # speculative decoding (stage 8): the scheduler asks the proposer for drafts
                 scheduler.proposer = _proposer(spec, draft, backend, num_kv_blocks, cache.block_size, device, dtype,
-                                               config.max_model_len)
+                                               config.max_model_len, graphs)
             engine = cls(weights, tokenizer, runner, scheduler, config.max_model_len, config.seed, config.record_logits,
                          config.max_logprobs)
         except BaseException:
@@ -427,14 +428,15 @@ class LLMEngine:
 
 
 def _proposer(spec, draft, backend, num_blocks: int, block_size: int, device: str, dtype: torch.dtype,
-              max_model_len: int):
+              max_model_len: int, graphs: CUDAGraphConfig | None):
     """The speculative_config's proposer: prompt lookup, or a draft model on its own pool of num_blocks blocks
-    (the target's count: its table never holds more blocks than the target's does), run eagerly."""
+    (the target's count: its table never holds more blocks than the target's does), replaying CUDA graphs
+    as the target does (its k - 1 decode rounds a step are decode-only batches: one launch each)."""
     from pagedref.engine.spec_decode import DraftModelProposer, NgramProposer
 
     if spec.method == "ngram":
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-    runner = ModelRunner(draft, backend, num_blocks, block_size, device, dtype)
+    runner = ModelRunner(draft, backend, num_blocks, block_size, device, dtype, graphs=graphs)
     return DraftModelProposer(runner, num_blocks, spec.num_speculative_tokens, max_model_len)
 
 
