@@ -243,6 +243,27 @@ def test_seeded_requests_are_reproducible(spec):
     assert runs[0] == runs[1]
 
 
+def naive_ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The definition, spelled out: try every n from the longest down, every earlier window from the latest."""
+    num = len(tokens)
+    for n in range(min(max_n, num - 1), min_n - 1, -1):
+        for p in range(num - 1 - n, -1, -1):
+            if tokens[p:p + n] == tokens[num - n:]:
+                copied = tokens[p + n:]
+                while len(copied) < k:
+                    copied = copied + [copied[len(copied) - (num - p - n)]]
+                return copied[:k]
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=40), st.integers(1, 6), st.integers(1, 4), st.integers(0, 3))
+def test_ngram_proposals_equal_the_definition(tokens, k, min_n, extra):
+    """The vectorised lookup (matches grown backwards from the last token) proposes what the definition does."""
+    max_n = min_n + extra
+    assert ngram_propose(tokens, k, min_n, max_n) == naive_ngram_propose(tokens, k, min_n, max_n), (tokens, k, min_n, max_n)
+
+
 def test_ngram_proposals_are_the_latest_earlier_match():
     assert ngram_propose([1, 2, 3, 9, 1, 2], 2, 1, 3) == [3, 9]
     assert ngram_propose([1, 2, 3, 1, 2, 5, 1, 2], 3, 1, 3) == [5, 1, 2], "the latest occurrence of [1, 2]"
