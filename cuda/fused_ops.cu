@@ -23,12 +23,14 @@
 //   up are row-strided, so they can be the two halves of one gate_up row or two tensors.
 //   Launch: grid (num_tokens, ceil(n / (W * blockDim.x))), any block size.
 // rotary_embedding_and_cache_w<W>: RoPE in transformers' rotate-half layout (dimension i pairs with
-//   i + head_dim / 2) on every query head (in place) and every key head, then the key heads, rotated,
+//   i + head_dim / 2) on every query head (into q_out) and every key head, then the key heads, rotated,
 //   and the value heads go to slot slot_mapping[t] of k/v_cache [num_blocks, block_size, Hkv, head_dim]
 //   (a slot < 0 is padding: nothing is written for it, as vLLM's reshape_and_cache skips it).
 //   cos/sin are fp32 tables [rows, head_dim / 2] (the model's, so llama3 / linear scaling come for
 //   free); token t reads row positions[t], or row t when positions is null (tables already gathered).
 //   With write_k the rotated keys also go back into k (RoPE alone: k_cache null, nothing cached).
+//   The rotated queries go to q_out (its own token stride; q_out == q: in place), so q may be a strided
+//   view into a merged qkv row and q_out the contiguous query tensor attention reads.
 //   The rotation is fp32 with one rounding per output (transformers rounds cos/sin to the model dtype
 //   and each product: within the same tolerance, closer to the float64 oracle).
 //   Launch: grid (num_tokens), any block size; each thread rotates W dimension pairs of one head or
@@ -147,14 +149,16 @@ __device__ __forceinline__ void silu_and_mul(scalar_t *__restrict__ out, const s
 
 // --- RoPE and the K/V write into the paged pool -----------------------------------------------------
 
-// q [T, num_heads, head_dim] and k, v [T, num_kv_heads, head_dim], each with its own token stride (heads
-// and dimensions contiguous); k_cache/v_cache [num_slots, num_kv_heads, head_dim] or null.
+// q, q_out [T, num_heads, head_dim] and k, v [T, num_kv_heads, head_dim], each with its own token stride
+// (heads and dimensions contiguous); k_cache/v_cache [num_slots, num_kv_heads, head_dim] or null. No
+// __restrict__ on q and q_out: they may be the same tensor (each element is read, then written, by one thread).
 template <int W>
 __device__ __forceinline__ void rotary_embedding_and_cache(
-    scalar_t *q, scalar_t *k, const scalar_t *v, long long q_stride, long long k_stride, long long v_stride,
-    scalar_t *__restrict__ k_cache, scalar_t *__restrict__ v_cache, const long long *__restrict__ slot_mapping,
-    const long long *__restrict__ positions, const float *__restrict__ cos, const float *__restrict__ sin,
-    int num_heads, int num_kv_heads, int head_dim, int write_k) {
+    scalar_t *q_out, const scalar_t *q, scalar_t *k, const scalar_t *v, long long q_out_stride, long long q_stride,
+    long long k_stride, long long v_stride, scalar_t *__restrict__ k_cache, scalar_t *__restrict__ v_cache,
+    const long long *__restrict__ slot_mapping, const long long *__restrict__ positions,
+    const float *__restrict__ cos, const float *__restrict__ sin, int num_heads, int num_kv_heads, int head_dim,
+    int write_k) {
   const long long t = blockIdx.x;
   const int half = head_dim / 2;
   const long long table_row = (positions ? positions[t] : t) * half;
@@ -168,7 +172,7 @@ __device__ __forceinline__ void rotary_embedding_and_cache(
       const int h = item / pair_vecs, j = (item % pair_vecs) * W;
       const bool is_q = h < num_heads;
       const int kh = h - num_heads;
-      scalar_t *src = is_q ? q + t * q_stride + (long long)h * head_dim : k + t * k_stride + (long long)kh * head_dim;
+      const scalar_t *src = is_q ? q + t * q_stride + (long long)h * head_dim : k + t * k_stride + (long long)kh * head_dim;
       const Vec<W> x1 = load<W>(src + j), x2 = load<W>(src + half + j);
       Vec<W> o1, o2;
 #pragma unroll
@@ -179,8 +183,9 @@ __device__ __forceinline__ void rotary_embedding_and_cache(
         o2.v[w] = from_float(b * c + a * s);
       }
       if (is_q || write_k) {
-        store<W>(src + j, o1);
-        store<W>(src + half + j, o2);
+        scalar_t *dst = is_q ? q_out + t * q_out_stride + (long long)h * head_dim : k + t * k_stride + (long long)kh * head_dim;
+        store<W>(dst + j, o1);
+        store<W>(dst + half + j, o2);
       }
       if (!is_q && slot >= 0) {
         scalar_t *dst = k_cache + slot_row + (long long)kh * head_dim;
@@ -196,12 +201,13 @@ __device__ __forceinline__ void rotary_embedding_and_cache(
 
 #define PR_ROTARY(W)                                                                                             \
   extern "C" __global__ void rotary_embedding_and_cache_w##W(                                                  \
-      scalar_t *q, scalar_t *k, const scalar_t *v, long long q_stride, long long k_stride, long long v_stride,   \
-      scalar_t *__restrict__ k_cache, scalar_t *__restrict__ v_cache, const long long *__restrict__ slot_mapping, \
+      scalar_t *q_out, const scalar_t *q, scalar_t *k, const scalar_t *v, long long q_out_stride,                \
+      long long q_stride, long long k_stride, long long v_stride, scalar_t *__restrict__ k_cache,                 \
+      scalar_t *__restrict__ v_cache, const long long *__restrict__ slot_mapping,                                 \
       const long long *__restrict__ positions, const float *__restrict__ cos, const float *__restrict__ sin,     \
       int num_heads, int num_kv_heads, int head_dim, int write_k) {                                              \
-    rotary_embedding_and_cache<W>(q, k, v, q_stride, k_stride, v_stride, k_cache, v_cache, slot_mapping,         \
-                                  positions, cos, sin, num_heads, num_kv_heads, head_dim, write_k);              \
+    rotary_embedding_and_cache<W>(q_out, q, k, v, q_out_stride, q_stride, k_stride, v_stride, k_cache, v_cache,  \
+                                  slot_mapping, positions, cos, sin, num_heads, num_kv_heads, head_dim, write_k); \
   }
 
 #define PR_ALL(W) PR_RMS_NORM(W) PR_SILU_AND_MUL(W) PR_ROTARY(W)

@@ -227,6 +227,10 @@ def _silu_mul(gate, up, *, out=None):
     return y if out is None else out.copy_(y)
 
 
+def _silu_and_mul(x, *, out=None):
+    return _silu_mul(*x.chunk(2, dim=-1), out=out)
+
+
 def _rotate(x, cos, sin):  # x [T, heads, d], cos/sin [T, d/2] float32 -> rotated, one rounding
     x1, x2 = x.float().chunk(2, dim=-1)
     c, s = cos[:, None], sin[:, None]
@@ -267,17 +271,22 @@ class FusingReference(ReferenceBackend):
 def stand_ins(monkeypatch):
     """kernels.fused replaced by the stand-ins, and the fused path taken on the CPU."""
     for name, fn in (("rms_norm", _rms_norm), ("fused_add_rms_norm", _fused_add_rms_norm), ("silu_mul", _silu_mul),
-                     ("rotary_embedding", _rotary_embedding)):
+                     ("silu_and_mul", _silu_and_mul), ("rotary_embedding", _rotary_embedding)):
         monkeypatch.setattr(fused, name, fn)
     monkeypatch.setattr(LlamaModel, "uses_fused", lambda self, t: self.fused_kernels and not self.batch_invariant)
 
 
+@pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
 @pytest.mark.parametrize("name", ["tiny-llama3-hd64", "tiny-qwen2-hd128", "tiny-mistral-hd32", "stories260K"])
-def test_the_fused_data_flow_gives_the_unfused_bits(stand_ins, name):
+def test_the_fused_data_flow_gives_the_unfused_bits(stand_ins, name, merged):
     # float32: the stand-ins round exactly as the torch ops they replace, so any difference would be the
     # data flow's (a residual added twice or not at all, the wrong norm's weight, RoPE on the wrong rows).
+    # Merged (the GPU's q/k/v and gate/up matrices), both runs use the merged GEMMs: the q, k, v views of
+    # one row reach the backend's RoPE, and silu_and_mul reads [gate | up] rows.
     model = load_model(model_path(name))
     model.batch_invariant = False  # the GPU's batched path, here on the CPU
+    if merged:
+        model.merge_projections()
     if name == "stories260K":
         prompts = [c["prompt_ids"] for c in read_reference(name, "llama2c_reference.json")["cases"]]
     else:

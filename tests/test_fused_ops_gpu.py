@@ -181,6 +181,27 @@ def test_rope_reads_a_merged_qkv_row():
     assert torch.equal(v, qkv[:, (h + hkv) * d :].view(t, hkv, d)), "v untouched"
 
 
+def test_rope_and_cache_from_a_merged_qkv_row_into_contiguous_queries():
+    # the backend's call on the merged projection's output: q, k, v strided views of one row, the rotated q
+    # into a new contiguous tensor; the same bits as the in-place call on contiguous copies
+    p = rope_problem(torch.bfloat16, 128, num_heads=8, num_kv_heads=2, tokens=33, seed=7)
+    qkv = torch.cat((p.q.flatten(1), p.k.flatten(1), p.v.flatten(1)), dim=1)  # [T, (8 + 2 + 2) * 128]
+    q, k, v = (t.view(33, -1, 128) for t in qkv.split((8 * 128, 2 * 128, 2 * 128), dim=1))
+    assert not q.is_contiguous()
+    rope = fused.RotaryTables(p.cos, p.sin, p.positions)
+    k_cache, v_cache = p.k_cache.clone(), p.v_cache.clone()
+    before = qkv.clone()
+    out = torch.empty_like(p.q)
+    got = fused.rotary_embedding_and_cache(q, k, v, k_cache, v_cache, p.slots, rope, out=out)
+    assert got is out
+    assert torch.equal(qkv, before), "with out=, the merged row is only read"
+    want = fused.rotary_embedding_and_cache(p.q, p.k, p.v, p.k_cache, p.v_cache, p.slots, rope)
+    assert torch.equal(out, want)
+    assert torch.equal(k_cache.nan_to_num(), p.k_cache.nan_to_num()) and torch.equal(v_cache.nan_to_num(), p.v_cache.nan_to_num())
+    with pytest.raises(ValueError, match="out shape"):
+        fused.rotary_embedding_and_cache(q, k, v, k_cache, v_cache, p.slots, rope, out=torch.empty_like(p.q[:, :4]))
+
+
 # --- bitwise: batch invariance, determinism, CUDA graphs ------------------------------------------------
 
 def run_all(x, r, w, gate, up, q, k, v, k_cache, v_cache, slots, rope):
@@ -289,6 +310,25 @@ def test_the_fused_model_forward(name, dtype):
     assert err_fused <= 2 * err_unfused + 1e-3
 
 
+@pytest.mark.parametrize("name", ["tiny-llama3-hd64", "tiny-qwen2-hd128"])  # qwen2: q/k/v biases merged too
+def test_the_merged_projections_match_the_separate_ones(name):
+    from helpers import greedy_generate, model_path, read_reference
+    from pagedref.backends import get_backend
+    from pagedref.models import load_model
+
+    merged = load_model(model_path(name), device="cuda", dtype=torch.float32, batch_invariant=False)
+    separate = load_model(model_path(name), device="cuda", dtype=torch.float32, batch_invariant=True)
+    separate.batch_invariant = False  # loaded per-row, so not merged; now the same batched path
+    assert merged.merged and not separate.merged
+    attn = merged.model.layers[0].self_attn
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr(), "q_proj is a view of the merged rows"
+    prompts = [c["prompt_ids"][:100] for c in read_reference(name, "hf_reference.json")["cases"]]
+    kw = dict(max_new_tokens=6, chunk_size=32, backend=get_backend("cuda"))
+    got, want = greedy_generate(merged, prompts, **kw), greedy_generate(separate, prompts, **kw)
+    assert got[0] == want[0]
+    assert max((a - b).abs().max().item() for a, b in zip(got[1], want[1])) <= 1e-4
+
+
 # --- the device driver ---------------------------------------------------------------------------------
 
 def sanitize() -> None:
@@ -314,7 +354,14 @@ def sanitize() -> None:
             assert rel_err(p.q, rope_oracle(q0, cos, sin)) <= TOL[dtype]
             fused.rotary_embedding(q0, k0, fused.RotaryTables(cos.contiguous(), sin.contiguous()))
             assert torch.equal(q0, p.q)
-            cases += 2
+            # from a merged [q | k | v] row (strided views) into a contiguous out, as the backend calls it
+            qkv = torch.cat((q0.flatten(1), p.k.flatten(1), p.v.flatten(1)), dim=1)
+            q, k, v = (t.view(21, -1, head_dim) for t in qkv.split((3 * head_dim, head_dim, head_dim), dim=1))
+            out = fused.rotary_embedding_and_cache(q, k, v, p.k_cache, p.v_cache, p.slots,
+                                                   fused.RotaryTables(cos.contiguous(), sin.contiguous()),
+                                                   out=torch.empty_like(q0))
+            assert rel_err(out, rope_oracle(q0, cos, sin)) <= TOL[dtype]
+            cases += 3
     torch.cuda.synchronize()
     print(f"fused selfcheck: {cases} cases ok")
 

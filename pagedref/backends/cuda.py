@@ -66,22 +66,29 @@ class CudaBackend:
                 rope: fused.RotaryTables | None = None) -> torch.Tensor:
         """q [T, H, d], k/v [T, Hkv, d] (this step's tokens) -> [T, H, d]; writes k/v into kv_cache first.
 
-        With rope, q and k come unrotated: q is rotated in place and k on its way into the pool (k itself
-        is left unrotated)."""
+        With rope, q and k come unrotated and may be strided views into one merged qkv row (the model's
+        merged projection): k is rotated on its way into the pool (k itself is left unrotated), and q into
+        the contiguous queries attention reads (in place when q is contiguous)."""
         k_cache, v_cache = kv_cache
         if meta.block_size != k_cache.shape[1]:
             raise ValueError(f"meta.block_size = {meta.block_size} but the pool's block_size is {k_cache.shape[1]}")
         check = not self._unchecked and self._needs_check(meta, k_cache.shape[0])
         if check and meta.is_decode_only and meta.num_tokens != meta.num_seqs:
             raise ValueError(f"max_query_len = 1 but {meta.num_tokens} tokens for {meta.num_seqs} sequences")
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if rope is None:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             kernels.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, check=check)
         else:
-            # the pool's shape rules (block size, head_dim) as reshape_and_cache checks them; the slots (-1:
-            # padding, skipped) and positions are the fused kernel's own checks
-            validate.check_cache_write(k, v, k_cache, v_cache, meta.slot_mapping, check_slots=False)
-            fused.rotary_embedding_and_cache(q, k, v, k_cache, v_cache, meta.slot_mapping, rope, check=check)
+            # the pool's shape rules (block size, head_dim) as reshape_and_cache checks them; the layouts (token
+            # strides allowed), slots (-1: padding, skipped) and positions are the fused kernel's own checks
+            validate.check_cache(k_cache, v_cache)
+            if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and (
+                    k.shape != v.shape or k.shape[1:] != k_cache.shape[2:]):
+                raise ValueError(f"key {tuple(k.shape)} and value {tuple(v.shape)} must both be "
+                                 f"[num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}] to match k_cache")
+            out = None if q.is_contiguous() else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            q = fused.rotary_embedding_and_cache(q, k, v, k_cache, v_cache, meta.slot_mapping, rope, check=check,
+                                                 out=out)
         if meta.is_decode_only:
             return kernels.paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                                                   max_context_len=meta.max_context_len, check=check)

@@ -23,6 +23,9 @@ sequence's query and context lengths. But attention is the only operation that m
 from each layer's attention output to the next layer's q/k/v, one to the final norm. Attention runs
 eagerly between them on the real rows only, reading and writing static buffers. Padding rows carry
 stale but finite values through the per-token work; no kernel reads them and no K/V is written for them.
+On the fused CUDA path the pieces leave q and k unrotated in one [q | k | v] buffer and the backend's
+K/V write rotates them from the positions, as in the one-graph decode step (`forward_fused`): one
+launch instead of a RoPE kernel plus the cache write, and one buffer copy instead of three.
 
 Invariant: rows 0..n-1 of a replay are what the eager forward computes for the same n sequences up
 to the linear layers' rounding (they multiply a padded batch, and cuBLAS may pick another algorithm
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedref.backends.metadata import AttentionMetadata
+from pagedref.kernels.fused import RotaryTables
 from pagedref.memory.block_table import cdiv
 
 BATCH_SIZE_LADDER = (1, 2, 4, 8) + tuple(range(16, 4097, 16))  # vLLM's capture sizes
@@ -171,15 +175,16 @@ class PiecewiseGraphs:
         h, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
         device, dtype = kv_caches[0][0].device, kv_caches[0][0].dtype  # the pool holds the model's dtype
         i64, f32, act = (dict(dtype=t, device=device) for t in (torch.int64, torch.float32, dtype))
+        # RoPE in the backend's K/V write (the fused path): the pieces hand over q and k unrotated
+        self.rope_in_backend = self.model.uses_fused(kv_caches[0][0]) and getattr(backend, "fuses_rope", False)
         # The static buffers every piece reads and writes (rows past the step's T: padding).
         self.input_ids = torch.zeros(n, **i64)  # [n]
         self.positions = torch.zeros(n, **i64)  # [n]
         self.cos = torch.zeros(n, d // 2, **f32)  # [n, d/2]
         self.sin = torch.zeros(n, d // 2, **f32)  # [n, d/2]
         self.x = torch.zeros(n, model.config.hidden_size, **act)  # [n, hidden] the residual stream
-        self.q = torch.zeros(n, h, d, **act)  # [n, H, d]
-        self.k = torch.zeros(n, hkv, d, **act)  # [n, Hkv, d]
-        self.v = torch.zeros(n, hkv, d, **act)  # [n, Hkv, d]
+        self.qkv = torch.zeros(n, (h + 2 * hkv) * d, **act)  # [n, (H + 2 Hkv) d] each row q | k | v
+        self.q, self.k, self.v = (t.view(n, -1, d) for t in self.qkv.split((h * d, hkv * d, hkv * d), dim=1))
         self.attn = torch.zeros(n, h, d, **act)  # [n, H, d] attention's output, written between the pieces
         self.hidden = torch.zeros(n, model.config.hidden_size, **act)  # [n, hidden] the final norm's output
         self.graphs: dict[int, list] = {}  # n -> its num_layers + 1 graphs, in forward order
@@ -189,11 +194,15 @@ class PiecewiseGraphs:
     def pieces(self, n: int) -> list:
         """The num_layers + 1 functions between attention calls, on the first n rows of the buffers."""
         m = self.model
-        ids, pos, cos, sin, x, q, k, v, attn, hidden = (t[:n] for t in (
-            self.input_ids, self.positions, self.cos, self.sin, self.x, self.q, self.k, self.v, self.attn, self.hidden))
+        ids, pos, cos, sin, x, qkv, q, k, v, attn, hidden = (t[:n] for t in (
+            self.input_ids, self.positions, self.cos, self.sin, self.x, self.qkv, self.q, self.k, self.v, self.attn,
+            self.hidden))
 
         def layer_in(i: int, x_new: torch.Tensor) -> None:
             x.copy_(x_new)
+            if self.rope_in_backend:
+                qkv.copy_(m.layer_qkv(i, x))  # [n, (H + 2 Hkv) d], q and k unrotated
+                return
             for buf, t in zip((q, k, v), m.layer_in(i, x, cos, sin)):
                 buf.copy_(t)
 
@@ -239,9 +248,12 @@ class PiecewiseGraphs:
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
         graphs[0].replay()
+        # the backend rotates q and k by the tokens' rows of the tables, which the first piece gathered
+        rope = dict(rope=RotaryTables(self.cos[:t], self.sin[:t])) if self.rope_in_backend else {}
         for i, kv_cache in enumerate(self.kv_caches):
             # attention on the real rows only: it writes their K/V and reads every sequence's context
-            out = self.backend.forward(self.q[:t], self.k[:t], self.v[:t], kv_cache, meta, self.model.layers[i].self_attn.scale)
+            out = self.backend.forward(self.q[:t], self.k[:t], self.v[:t], kv_cache, meta,
+                                       self.model.layers[i].self_attn.scale, **rope)
             self.attn[:t].copy_(out)
             graphs[i + 1].replay()
         self.num_replays += 1

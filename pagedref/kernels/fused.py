@@ -272,23 +272,30 @@ def _silu(like: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, in_stride: i
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, tables: RotaryTables, *,
                      check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE in place (transformers' rotate-half layout) on q [T, H, d] and k [T, Hkv, d] -> (q, k)."""
-    _rope(q, k, None, None, None, None, tables, check, write_k=True)
+    _rope(q, q, k, None, None, None, None, tables, check, write_k=True)
     return q, k
 
 
 def rotary_embedding_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                                v_cache: torch.Tensor, slot_mapping: torch.Tensor, tables: RotaryTables, *,
-                               check: bool = True) -> torch.Tensor:
-    """RoPE on q in place and on k on its way to the pool: rotated k and v [T, Hkv, d] go to their slots of
+                               check: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE on q and on k on its way to the pool: rotated k and v [T, Hkv, d] go to their slots of
     k/v_cache [num_blocks, block_size, Hkv, d] (a slot of -1 is padding: nothing is written). k itself is
-    left as it was. Returns q. check=True also checks slots and positions (one host sync)."""
-    _rope(q, k, v, k_cache, v_cache, slot_mapping, tables, check, write_k=False)
-    return q
+    left as it was. The rotated q [T, H, d] goes to out (default: q itself, in place), which is returned:
+    q, k and v may be strided views into one merged qkv row and out the contiguous queries attention
+    reads. check=True also checks slots and positions (one host sync)."""
+    out = q if out is None else out
+    _rope(out, q, k, v, k_cache, v_cache, slot_mapping, tables, check, write_k=False)
+    return out
 
 
-def _rope(q, k, v, k_cache, v_cache, slot_mapping, tables: RotaryTables, check: bool, write_k: bool) -> None:
+def _rope(q_out, q, k, v, k_cache, v_cache, slot_mapping, tables: RotaryTables, check: bool, write_k: bool) -> None:
     _check_heads(q, "q", None, None)
     num_tokens, num_heads, head_dim = q.shape
+    if q_out is not q:
+        _check_heads(q_out, "out", q.dtype, q.device, num_tokens, head_dim)
+        if q_out.shape != q.shape:
+            raise ValueError(f"out shape {tuple(q_out.shape)} != q shape {tuple(q.shape)}")
     _check_heads(k, "k", q.dtype, q.device, num_tokens, head_dim)
     if head_dim % 2:
         raise ValueError(f"RoPE pairs dimension i with i + head_dim / 2: head_dim must be even, got {head_dim}")
@@ -308,7 +315,7 @@ def _rope(q, k, v, k_cache, v_cache, slot_mapping, tables: RotaryTables, check: 
             raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {num_tokens} tokens")
     _check_tables(tables, num_tokens, head_dim, q.device, check)
     width = vec_width(head_dim // 2, q.element_size())
-    _check_aligned(width, q=q, k=k, v=v)
+    _check_aligned(width, q=q, k=k, v=v, out=q_out)
     if check and v is not None:
         _check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
     validate.require_cuda(q, "q")
@@ -316,6 +323,6 @@ def _rope(q, k, v, k_cache, v_cache, slot_mapping, tables: RotaryTables, check: 
         return
     stride = lambda t: np.int64(t.stride(0) if t is not None else 0)  # noqa: E731
     _launch(q.dtype, f"rotary_embedding_and_cache_w{width}", q.device, (num_tokens,), ROPE_THREADS,
-            (_ptr(q), _ptr(k), _ptr(v), stride(q), stride(k), stride(v), _ptr(k_cache), _ptr(v_cache),
-             _ptr(slot_mapping), _ptr(tables.positions), _ptr(tables.cos), _ptr(tables.sin), np.int32(num_heads),
-             np.int32(num_kv_heads), np.int32(head_dim), np.int32(write_k)))
+            (_ptr(q_out), _ptr(q), _ptr(k), _ptr(v), stride(q_out), stride(q), stride(k), stride(v), _ptr(k_cache),
+             _ptr(v_cache), _ptr(slot_mapping), _ptr(tables.positions), _ptr(tables.cos), _ptr(tables.sin),
+             np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_dim), np.int32(write_k)))

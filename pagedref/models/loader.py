@@ -93,7 +93,8 @@ def load_model(
     tp: TPGroup = TPGroup(),
 ) -> LlamaForCausalLM:
     """The model in `path` (this rank's shard of it under `tp`), in eval mode with gradients off.
-    dtype None or "auto" = the checkpoint's own."""
+    dtype None or "auto" = the checkpoint's own. On a GPU's batched path (not batch_invariant) its q/k/v
+    and gate/up projections are merged into one matrix each once loaded (`merge_projections`)."""
     config = ModelConfig.from_pretrained(path)
     dtype = config.dtype if dtype is None or dtype == "auto" else resolve_dtype(dtype)
     checkpoint_files(path)  # fail on a missing weight file before allocating anything
@@ -101,4 +102,6 @@ def load_model(
         model = LlamaForCausalLM(config, dtype=dtype, batch_invariant=batch_invariant, tp=tp)
     model.materialize(device)
     load_weights(model, path)
+    if torch.device(device).type == "cuda" and not batch_invariant:
+        model.merge_projections()
     return model.eval().requires_grad_(False)
