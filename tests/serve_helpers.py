@@ -19,18 +19,25 @@ HOST = "127.0.0.1"  # the tests' servers listen on the loopback address only
 
 
 class LiveServer:
-    """`build_app(llm, config)` served by uvicorn on a free port of 127.0.0.1, in a thread of this process."""
+    """`build_app(AsyncLLM(engine kwargs), config)` served by uvicorn on a free port of 127.0.0.1, in a thread of
+    this process; the engine runs in its own process, as the server's does (`engine` is the frontend)."""
 
-    def __init__(self, llm, model_dir: Path, name: str = "test-model", api_key: str | None = None,
-                 shutdown_timeout: float = 1.0) -> None:
+    def __init__(self, model_dir: Path, name: str = "test-model", api_key: str | None = None,
+                 shutdown_timeout: float = 1.0, **engine_kwargs) -> None:
         import uvicorn
 
         from pagedref.serve.api import ServerConfig, build_app
+        from pagedref.serve.async_engine import AsyncLLM
         from pagedref.serve.server import Server
 
-        self.app = build_app(llm, ServerConfig(name, Path(model_dir), api_key))
-        config = uvicorn.Config(self.app, host=HOST, port=0, log_level="warning", lifespan="on")
-        self.server = Server(config, self.app.state.engine, shutdown_timeout)
+        self.engine = AsyncLLM({"model": str(model_dir), "device": "cpu", **engine_kwargs})
+        try:
+            self.app = build_app(self.engine, ServerConfig(name, Path(model_dir), api_key))
+            config = uvicorn.Config(self.app, host=HOST, port=0, log_level="warning", lifespan="on")
+            self.server = Server(config, self.engine, shutdown_timeout)
+        except BaseException:
+            self.engine.shutdown()
+            raise
         self.thread = threading.Thread(target=self.server.run, name="test-server", daemon=True)
         self.name = name
         self.url = ""
@@ -40,6 +47,7 @@ class LiveServer:
         deadline = time.monotonic() + 30
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.engine.shutdown()
                 raise RuntimeError("the test server did not start")
             time.sleep(0.02)
         self.url = f"http://{HOST}:{self.server.port}"
@@ -48,7 +56,9 @@ class LiveServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+        self.engine.shutdown()
         assert not self.thread.is_alive(), "the test server did not stop"
+        assert not self.engine.process.is_alive(), "the engine process did not stop"
 
 
 class ServerProcess:

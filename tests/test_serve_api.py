@@ -32,10 +32,8 @@ def reference():
 
 @pytest.fixture(scope="module")
 def server():
-    llm = LLM(DEFAULT_MODEL, device="cpu")
-    with LiveServer(llm, DEFAULT_MODEL, name="default", api_key=KEY) as s:
+    with LiveServer(DEFAULT_MODEL, name="default", api_key=KEY) as s:
         yield s
-    llm.close()
 
 
 @pytest.fixture
@@ -221,8 +219,7 @@ def test_chat_completions_render_the_models_template_and_equal_generate(tmp_path
     text = "<s># Stage 6\n\n## user\nThe idea\n\n## assistant\n"  # the template by hand
     ids = reference.get_tokenizer().encode(text, add_special_tokens=False)
     want = reference.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
-    llm = LLM(model, device="cpu")
-    with LiveServer(llm, model, name="chat") as s:
+    with LiveServer(model, name="chat") as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0, timeout=60)
         got = client.chat.completions.create(model="chat", messages=messages, temperature=0, max_completion_tokens=30)
         assert got.choices[0].message.role == "assistant"
@@ -241,7 +238,6 @@ def test_chat_completions_render_the_models_template_and_equal_generate(tmp_path
             [[x.logprob for x in sorted(d.values(), key=lambda x: x.rank)] for d in w.logprobs]
         bad = post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, key=None)
         assert error_of(bad, 400)["param"] == "messages"
-    llm.close()
 
 
 # --- the other endpoints ------------------------------------------------------------------------------------

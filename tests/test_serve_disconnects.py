@@ -29,10 +29,8 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model):
-    llm = LLM(model, device="cpu")
-    with LiveServer(llm, model, name="tiny") as s:
+    with LiveServer(model, name="tiny") as s:
         yield s
-    llm.close()
 
 
 def words(rng: random.Random, n: int) -> str:

@@ -2,8 +2,8 @@
 
 One idea: the engine flags are `pagedref.generate`'s own (`add_engine_args`: one definition), plus
 the server's (--host, --port, --served-model-name, --api-key, ...); everything is checked and the model
-loaded before the socket opens, so a bad flag or model is an argparse-style error (exit status 2)
-and a server that printed its "ready" line serves.
+loaded (by the engine's process, `pagedref.serve.engine_core`) before the socket opens, so a bad flag or
+model is an argparse-style error (exit status 2) and a server that printed its "ready" line serves.
 
     python -m pagedref.serve                                  # the embedded default model on 127.0.0.1:8000
     python -m pagedref.serve --model tests/models/stories260K --port 8001 --api-key secret
@@ -63,32 +63,34 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from pagedref import LLM
     from pagedref.serve.api import ServerConfig, build_app
+    from pagedref.serve.async_engine import AsyncLLM, EngineStartError
     from pagedref.serve.server import Server, raise_open_file_limit
 
-    try:
-        llm = LLM(**engine_kwargs(args, model_dir, device), seed=args.seed)
-    except (TypeError, ValueError, FileNotFoundError) as err:
+    try:  # the engine's process loads the model; the refusals the engine makes of its arguments are usage errors
+        engine = AsyncLLM({**engine_kwargs(args, model_dir, device), "seed": args.seed},
+                          log_level=logging.getLogger().getEffectiveLevel())
+    except EngineStartError as err:
+        if err.kind not in ("TypeError", "ValueError", "FileNotFoundError"):
+            raise
         parser.error(str(err))
     try:
         name = args.served_model_name or (args.model if args.model is not None else "pagedref-default")
-        app = build_app(llm, ServerConfig(name, model_dir, args.api_key, args.max_request_bytes))
-        stats = llm.get_stats()
+        app = build_app(engine, ServerConfig(name, model_dir, args.api_key, args.max_request_bytes))
+        f = engine.facts
         logging.getLogger("pagedref.serve").info(
-            "serving %s as %r on %s (%s), %d KV blocks of %d tokens, max_model_len %d", model_dir, name, stats["device"],
-            stats["dtype"], stats["num_blocks"], stats["block_size"], llm.llm_engine.max_model_len)
+            "serving %s as %r on %s (%s), %d KV blocks of %d tokens, max_model_len %d; engine process %d", model_dir, name,
+            f.device, f.dtype, f.num_blocks, f.block_size, f.max_model_len, f.pid)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
                                 timeout_graceful_shutdown=max(args.shutdown_timeout, 1.0) + 5.0, lifespan="on")
-        server = Server(config, app.state.engine, args.shutdown_timeout)
+        server = Server(config, engine, args.shutdown_timeout)
         raise_open_file_limit()
         server.run()
         if not server.started:  # the socket could not be bound (uvicorn logged why)
             return 1
     finally:
-        llm.close()  # frees the KV cache; with --tensor-parallel-size, stops the worker processes
+        engine.shutdown()  # the engine's process is gone (it exited after the lifespan's stop, or is ended now)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

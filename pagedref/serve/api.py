@@ -37,10 +37,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedref
-from pagedref import LLM, SamplingParams
+from pagedref import SamplingParams
 from pagedref.engine.sequence import CompletionOutput, RequestOutput
-from pagedref.serve.async_engine import (Aborted, AsyncLLMEngine, Disconnected, EngineDead, EngineShuttingDown,
-                                         RequestStream)
+from pagedref.serve.async_engine import Aborted, AsyncLLM, Disconnected, EngineDead, EngineShuttingDown, RequestStream
 from pagedref.serve.chat import ChatTemplate, NoChatTemplate
 from pagedref.serve.metrics import ServerMetrics
 from pagedref.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
@@ -68,11 +67,11 @@ class ServerConfig:
 # ------------------------------------------------------------------------------------------------- app
 
 
-def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
-    """The FastAPI app serving `llm`. Its lifespan starts the engine thread and, at shutdown, aborts what
-    is left and stops it (`app.state.final_stats`: the engine's stats then; the pool should be free)."""
-    metrics = ServerMetrics()
-    engine = AsyncLLMEngine(llm, metrics)
+def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
+    """The FastAPI app serving `engine` (its process started and ready; the app observes its latencies into
+    `engine.metrics`). Its lifespan attaches the engine to the loop and, at shutdown, aborts what is left and
+    stops the engine's process (`app.state.final_stats`: the engine's stats then; the pool should be free)."""
+    metrics = engine.metrics = engine.metrics or ServerMetrics()
     try:
         chat_template: ChatTemplate | NoChatTemplate = ChatTemplate.from_model_dir(config.model_dir)
     except NoChatTemplate as err:
@@ -82,8 +81,10 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         engine.start(asyncio.get_running_loop())
         yield
-        stats = await asyncio.to_thread(engine.stop)
-        app.state.final_stats = stats
+        stats = app.state.final_stats = await engine.stop()
+        if stats is None:
+            log.warning("engine stopped on an error earlier: %s", engine.error)
+            return
         log.info("engine stopped: %d requests left, %d of %d KV blocks in use", stats["running"] + stats["waiting"]
                  + stats["swapped"], stats["num_used_blocks"], stats["num_blocks"])
 
@@ -131,7 +132,7 @@ class _Prompt:
 
 
 class _Handlers:
-    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetrics,
+    def __init__(self, engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics,
                  chat_template: ChatTemplate | NoChatTemplate) -> None:
         self.engine = engine
         self.config = config
@@ -263,14 +264,14 @@ class _Handlers:
     def _process(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
         """The engine's own prompt checks (empty, longer than max_model_len, ids outside the vocabulary)."""
         try:
-            return self.engine.engine.process_prompt(prompt if not isinstance(prompt, list) else {"prompt_token_ids": prompt})
+            return self.engine.checks.process_prompt(prompt if not isinstance(prompt, list) else {"prompt_token_ids": prompt})
         except (TypeError, ValueError) as err:
             raise bad_request(str(err), "prompt" if not isinstance(prompt, dict) else "messages") from err
 
     def _check_params(self, params: SamplingParams, logprobs_param: str) -> SamplingParams:
         """The engine's own checks of the parameters (the logprobs cap, n on a pool that cannot share blocks)."""
         try:
-            self.engine.engine.check_params(params)
+            self.engine.checks.check_params(params)
         except (TypeError, ValueError) as err:
             raise bad_request(str(err), logprobs_param if "logprobs" in str(err) else "n") from err
         return params

@@ -1,36 +1,53 @@
-"""The async engine: one thread steps the `LLMEngine` while requests are pending; the HTTP handlers, on
-the asyncio loop, add requests, read each one's outputs from a queue of its own, and abort them.
+"""The async engine, the server's side of the engine core: requests go to the engine's process, each
+step's new tokens come back, and each HTTP request reads its outputs from a queue of its own.
 
-One idea: the engine has one caller. Every call into `LLMEngine` (`add_request`, `step`,
-`abort_request`, `get_stats`) is made by the engine thread; a handler hands it a command, which the
-thread runs between two steps. So requests join and leave the running batch only between steps
-(continuous batching across HTTP requests), and a request aborted because its client went away has
-its blocks freed before the next step is scheduled. Each step's outputs go to the loop in one
-`call_soon_threadsafe`, each onto its request's queue; a reader that falls behind takes the newest
-output only (each carries the whole token list so far), so a slow client costs the engine nothing.
+One idea: the event loop never waits on the engine, and the engine never waits on the loop. The engine
+runs in its own process (`pagedref.serve.engine_core`, started here with multiprocessing's spawn
+context), so the loop's work (HTTP, JSON, detokenization, socket writes) does not hold the GIL the
+engine's host work needs. The loop sends commands down a pipe (add, abort, stats) and reads the core's
+messages as the pipe becomes readable (`loop.add_reader`): one message per step, holding each advanced
+request's new tokens. Here they are appended to the request's token lists (append-only, so an output
+handed to a reader stays valid as the lists grow) and a `RequestOutput` of the tokens so far goes onto
+the request's queue; a reader that falls behind takes the newest output only, so a slow client costs
+the engine nothing.
 
-Invariant: every request added is answered: its queue gets the engine's outputs for it, and ends with
-a finished output, `Aborted` (shutdown), or the error that stopped the engine; once it has ended,
-nothing of the request is left in the engine. Outputs are `LLM.generate`'s, bit for bit (CPU): the
-engine's tokens do not depend on what else is in the batch, and nothing here touches them.
+The prompts and parameters are checked here, before anything is sent, by the engine's own checks
+(`LLMEngine.process_prompt` and `check_params`, on the tokenizer and the `EngineFacts` the core reports):
+a bad request is a 400 and never reaches the engine.
+
+Invariant: every request added is answered: its queue gets its outputs, and ends with a finished
+output, `Aborted` (shutdown), or the error that stopped the engine (`EngineDead`: the core raised, or its
+process died); once it has ended, nothing of the request is left in the engine. Outputs are
+`LLM.generate`'s, bit for bit (CPU): the engine's tokens do not depend on what else is in the batch,
+and nothing here touches them. The core process never outlives `shutdown()` (nor this process).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import itertools
 import logging
-import threading
+import multiprocessing
 import time
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
-from pagedref import LLM, SamplingParams
-from pagedref.engine.sequence import RequestOutput
+from pagedref import SamplingParams
+from pagedref.engine.block_manager import ContiguousBlockManager
+from pagedref.engine.llm import LLMEngine
+from pagedref.engine.sequence import CompletionOutput, RequestOutput
+from pagedref.serve.engine_core import EngineFacts, RequestDelta, run_engine_core
 from pagedref.serve.metrics import ServerMetrics
 
 log = logging.getLogger("pagedref.serve")
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not load the engine (a bad flag or model): `kind` names the error's type."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class EngineShuttingDown(RuntimeError):
@@ -38,7 +55,7 @@ class EngineShuttingDown(RuntimeError):
 
 
 class EngineDead(RuntimeError):
-    """The engine thread stopped on an error; every request in flight ends with it (HTTP 500)."""
+    """The engine core stopped on an error, or its process died; every request in flight ends with it (HTTP 500)."""
 
 
 class Aborted(Exception):
@@ -49,179 +66,262 @@ class Disconnected(Exception):
     """The client went away (put on a request's queue by the handler's watcher)."""
 
 
+class _EngineChecks:
+    """The engine's own input checks, run here on what the core reported: `LLMEngine.process_prompt` reads
+    the tokenizer, max_model_len and vocab_size; `check_params` max_logprobs and the block manager's kind."""
+
+    process_prompt = LLMEngine.process_prompt
+    check_params = LLMEngine.check_params
+
+    def __init__(self, tokenizer, facts: EngineFacts) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = facts.max_model_len
+        self.vocab_size = facts.vocab_size
+        self.max_logprobs = facts.max_logprobs
+        # check_params asks only whether blocks can be shared (isinstance): an instance of the kind, never used
+        self.block_manager = ContiguousBlockManager.__new__(ContiguousBlockManager) if facts.kv_cache == "contiguous" else None
+
+
 @dataclass
 class RequestState:
-    """One engine request as the engine thread tracks it (engine-thread state only)."""
+    """One engine request as the frontend tracks it (loop only): its queue and the tokens so far."""
 
     request_id: str
     queue: asyncio.Queue  # (request_id, RequestOutput | BaseException), shared by the prompts of one HTTP request
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]  # the newest, one per sample; their token_ids and logprobs lists grow in place
     arrival_time: float  # time.monotonic() when the HTTP request arrived
     last_output_time: float | None = None
-    finished: bool = False
 
 
-class AsyncLLMEngine:
-    """`LLM`'s engine driven by a background thread; `generate` is an async iterator of outputs."""
+class AsyncLLM:
+    """The engine in its own process; `submit` returns an async iterator of each request's outputs.
 
-    def __init__(self, llm: LLM, metrics: ServerMetrics | None = None) -> None:
-        self.llm = llm
-        self.engine = llm.llm_engine
-        self.tokenizer = self.engine.tokenizer
-        self.max_model_len = self.engine.max_model_len
+    Made (and the engine loaded, in the child) before the event loop runs: a model or flag the engine
+    refuses raises `EngineStartError` here. `start(loop)` attaches the core's pipe to the loop;
+    `await stop()` aborts what is left and ends the core (its final stats: the pool should be free);
+    `shutdown()` makes sure the process is gone whatever happened (call it last, in a `finally`).
+    """
+
+    def __init__(self, llm_kwargs: dict[str, Any], metrics: ServerMetrics | None = None,
+                 start_timeout: float = 3600.0, log_level: int = logging.INFO) -> None:
+        from pagedref.models import load_tokenizer
+
+        ctx = multiprocessing.get_context("spawn")  # torch / CUDA start fresh in the child, never forked
+        self._commands, child_commands = ctx.Pipe(duplex=False)[::-1]
+        child_outputs, self._outputs = ctx.Pipe(duplex=False)[::-1]
+        self.process = ctx.Process(target=run_engine_core, args=(llm_kwargs, child_commands, child_outputs, log_level),
+                                   name="pagedref-engine-core")
+        self.process.start()
+        child_commands.close()  # ours are the other ends: the child's exit then reads as end of file here
+        child_outputs.close()
         self.metrics = metrics
         self.accepting = True  # False once shutdown begins: new requests get EngineShuttingDown
-        self.error: BaseException | None = None  # what stopped the engine thread, if anything did
+        self.error: BaseException | None = None  # what stopped the engine, if anything did
+        self.num_open_streams = 0  # RequestStreams submitted and not yet closed: the shutdown waits on them
+        self.final_stats: dict[str, Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._commands: deque[Callable[[], None]] = deque()
-        self._wake = threading.Condition()
-        self._stopping = False
-        self._requests: dict[str, RequestState] = {}  # engine thread only
-        self.num_open_streams = 0  # RequestStreams submitted and not yet closed (loop only): the shutdown waits on them
-        self._thread = threading.Thread(target=self._run, name="pagedref-engine", daemon=True)
+        self._requests: dict[str, RequestState] = {}
+        self._pending: dict[int, asyncio.Future] = {}  # stats reads and the shutdown, by token
+        self._tokens = itertools.count()
+        try:
+            self.facts = self._wait_ready(start_timeout)
+            self.tokenizer = load_tokenizer(llm_kwargs["model"])
+        except BaseException:
+            self.shutdown()
+            raise
+        self.max_model_len = self.facts.max_model_len
+        self.checks = _EngineChecks(self.tokenizer, self.facts)
+
+    def _wait_ready(self, timeout: float) -> EngineFacts:
+        if not self._outputs.poll(timeout):
+            raise RuntimeError(f"the engine process did not get ready within {timeout:.0f} s")
+        try:
+            message = self._outputs.recv()
+        except EOFError:
+            raise RuntimeError(f"the engine process exited (status {self.process.exitcode}) while loading") from None
+        if message[0] == "failed":
+            raise EngineStartError(message[1], message[2])
+        return message[1]
 
     # --- life cycle (called on the loop) ------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._thread.start()
+        loop.add_reader(self._outputs.fileno(), self._on_readable)
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self._loop is not None and self.error is None and self.process.is_alive()
 
     def abort_all(self) -> None:
         """Abort every request in flight; each one's queue gets `Aborted` (shutdown's last resort)."""
-        self._submit(self._abort_all)
+        states = list(self._requests.values())
+        self._abort([s.request_id for s in states])
+        for s in states:
+            s.queue.put_nowait((s.request_id, Aborted("the server is shutting down")))
 
-    def stop(self, timeout: float = 30.0) -> dict[str, Any]:
-        """Abort what is left, stop the thread, and return the engine's final stats (the pool should be free)."""
+    async def stop(self, timeout: float = 30.0) -> dict[str, Any] | None:
+        """Abort what is left, stop the core, and return the engine's final stats (the pool should be free);
+        None when the engine had stopped on an error already."""
         self.accepting = False
-        self._submit(self._abort_all)
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise RuntimeError(f"the engine thread did not stop within {timeout} s")
-        return {**self.engine.get_stats(), **self.engine.get_num_requests_by_state()}
+        self.abort_all()
+        if self.error is None:
+            stopped = self._ask(("shutdown",), key="stopped")
+            try:
+                self.final_stats = await asyncio.wait_for(stopped, timeout)
+            except (asyncio.TimeoutError, EngineDead) as err:
+                log.warning("the engine core did not stop cleanly: %s", err)
+        self._detach()
+        await asyncio.to_thread(self.shutdown, timeout)
+        return self.final_stats
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Make sure the engine process is gone: it exits by itself after "shutdown" (or at the end of its
+        command pipe, closed here); terminated, then killed, if it does not within `timeout` seconds."""
+        for conn in (self._commands, self._outputs):
+            conn.close()
+        self.process.join(timeout)
+        if self.process.is_alive():
+            log.warning("the engine process did not exit within %.0f s: terminating it", timeout)
+            self.process.terminate()
+            self.process.join(5)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+
+    def _detach(self) -> None:
+        if self._loop is not None and not self._outputs.closed:
+            self._loop.remove_reader(self._outputs.fileno())
 
     # --- requests (called on the loop) --------------------------------------------------------------
     def submit(self, requests: list[tuple[str, dict[str, Any], SamplingParams]], arrival_time: float) -> "RequestStream":
         """Add requests (request_id, prompt, params), which one HTTP request makes (one per prompt), and return
         the stream of their outputs. Raises at once, adding nothing, when the server admits no request."""
         if self.error is not None:
-            raise EngineDead(f"the engine stopped: {type(self.error).__name__}: {self.error}")
+            raise EngineDead(f"the engine stopped: {self.error}")
         if not self.accepting:
             raise EngineShuttingDown("the server is shutting down")
         stream = RequestStream(self, asyncio.Queue(), {rid for rid, _, _ in requests})
         self.num_open_streams += 1
         for rid, prompt, params in requests:
-            state = RequestState(rid, stream.queue, arrival_time)
-            self._submit(lambda state=state, prompt=prompt, params=params: self._add(state, prompt, params))
+            outputs = [CompletionOutput(i, [], None, [] if params.logprobs is not None else None) for i in range(params.n)]
+            self._requests[rid] = RequestState(rid, stream.queue, prompt.get("prompt"), prompt["prompt_token_ids"], outputs,
+                                               arrival_time)
+            self._send(("add", rid, prompt, params))
         return stream
 
     def abort(self, request_ids: list[str]) -> None:
-        """Abort these requests between two steps (unknown or finished ids are ignored)."""
-        if request_ids:
-            self._submit(lambda: self._abort(request_ids))
-
-    async def get_stats(self) -> dict[str, Any]:
-        """The engine's stats and request counts, read on the engine thread between two steps."""
-        if not self._thread.is_alive():  # stopped (or never started): nobody else touches the engine
-            return {**self.engine.get_stats(), **self.engine.get_num_requests_by_state()}
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def read() -> None:
-            try:
-                future.set_result({**self.engine.get_stats(), **self.engine.get_num_requests_by_state()})
-            except BaseException as err:  # handed to the reader, not raised on the engine thread
-                future.set_exception(err)
-
-        self._submit(read)
-        return await asyncio.wrap_future(future)
-
-    # --- the engine thread ---------------------------------------------------------------------------
-    def _submit(self, command: Callable[[], None]) -> None:
-        with self._wake:
-            self._commands.append(command)
-            self._wake.notify()
-
-    def _run(self) -> None:
-        busy = False
-        try:
-            while True:
-                with self._wake:
-                    while not self._commands and not busy and not self._stopping:
-                        self._wake.wait()
-                    commands = list(self._commands)
-                    self._commands.clear()
-                    stopping = self._stopping
-                for command in commands:  # between two steps: joins, aborts, stats reads
-                    command()
-                if stopping and not self._commands:
-                    return
-                busy = self.engine.has_unfinished_requests()
-                if busy:
-                    self._hand_out(self.engine.step())
-                    busy = self.engine.has_unfinished_requests()
-        except BaseException as err:  # the engine is in an unknown state: fail every request, admit no more
-            log.exception("the engine thread stopped on an error")
-            self.error = err
-            dead = EngineDead(f"the engine stopped: {type(err).__name__}: {err}")
-            self._post([(s.queue, (rid, dead)) for rid, s in self._requests.items()])
-            self._requests.clear()
-
-    def _add(self, state: RequestState, prompt: dict[str, Any], params: SamplingParams) -> None:
-        try:
-            self.engine.add_request(state.request_id, prompt, params)
-        except (TypeError, ValueError) as err:  # checked by the handler already; a late refusal still answers
-            self._post([(state.queue, (state.request_id, err))])
-            return
-        self._requests[state.request_id] = state
+        """Abort these requests (unknown or finished ids are ignored); the core frees their blocks before its next step."""
+        self._abort([rid for rid in request_ids if rid in self._requests])
 
     def _abort(self, request_ids: list[str]) -> None:
-        ids = [rid for rid in request_ids if rid in self._requests]
-        for rid in ids:
+        for rid in request_ids:
             del self._requests[rid]
-        self.engine.abort_request(ids)  # frees their blocks now, before the next step
-        if self.metrics is not None and ids:
-            self.metrics.num_aborted_requests.inc(len(ids))
+        if request_ids:
+            self._send(("abort", request_ids))
+            if self.metrics is not None:
+                self.metrics.num_aborted_requests.inc(len(request_ids))
 
-    def _abort_all(self) -> None:
-        states = list(self._requests.items())
-        self._abort([rid for rid, _ in states])
-        self._post([(s.queue, (rid, Aborted("the server is shutting down"))) for rid, s in states])
+    async def get_stats(self) -> dict[str, Any]:
+        """The engine's stats and request counts, read by the core between two steps."""
+        if self.final_stats is not None:
+            return self.final_stats
+        if self.error is not None:
+            raise EngineDead(f"the engine stopped: {self.error}")
+        return await self._ask(("stats",))
 
-    def _hand_out(self, outputs: list[RequestOutput]) -> None:
-        """This step's outputs onto their queues (one wake-up of the loop), and the latency figures."""
+    def _ask(self, command: tuple, key: str = "stats") -> asyncio.Future:
+        token = next(self._tokens)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[token if key == "stats" else key] = future
+        self._send(command + ((token,) if key == "stats" else ()))
+        return future
+
+    def _send(self, command: tuple) -> None:
+        if self.error is not None:
+            return
+        try:
+            self._commands.send(command)
+        except (BrokenPipeError, ConnectionResetError, OSError) as err:  # the core is gone: its EOF follows
+            self._fail(f"the engine process is gone ({type(err).__name__})")
+
+    # --- the core's messages (on the loop) ------------------------------------------------------------
+    def _on_readable(self) -> None:
+        try:
+            while self._outputs.poll():
+                self._handle(self._outputs.recv())
+        except (EOFError, OSError):
+            self._detach()
+            if self.final_stats is None:  # not after "stopped": then the end of the pipe is the core's clean exit
+                self.process.join(1)
+                self._fail(f"the engine process exited unexpectedly (exit status {self.process.exitcode})")
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "step":
+            self._hand_out(message[1])
+        elif kind == "stats":
+            future = self._pending.pop(message[1], None)
+            if future is not None and not future.done():
+                future.set_result(message[2])
+        elif kind == "rejected":
+            state = self._requests.pop(message[1], None)
+            if state is not None:
+                state.queue.put_nowait((state.request_id, ValueError(message[2])))
+        elif kind == "stopped":
+            self.final_stats = message[1]
+            future = self._pending.pop("stopped", None)
+            if future is not None and not future.done():
+                future.set_result(message[1])
+        elif kind == "dead":
+            self._fail(message[1])
+
+    def _fail(self, message: str) -> None:
+        """The engine is gone: every request in flight ends with EngineDead, and none is admitted."""
+        if self.error is not None:
+            return
+        log.error("the engine stopped: %s", message)
+        self.error = EngineDead(message)
+        dead = EngineDead(f"the engine stopped: {message}")
+        for rid, state in self._requests.items():
+            state.queue.put_nowait((rid, dead))
+        self._requests.clear()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(dead)
+        self._pending.clear()
+
+    def _hand_out(self, deltas: list[RequestDelta]) -> None:
+        """One step's new tokens onto their requests (and their queues), and the latency figures."""
         now = time.monotonic()
-        items = []
         m = self.metrics
-        for out in outputs:
-            state = self._requests.get(out.request_id)
-            if state is None:  # aborted by a command of this step's batch: nobody is reading it
+        for delta in deltas:
+            state = self._requests.get(delta.request_id)
+            if state is None:  # aborted here after the core made this step: nobody is reading it
                 continue
+            for d in delta.seqs:
+                # The lists grow in place, so a step costs O(new tokens), and an output already queued stays valid: a
+                # reader reads a list up to its length when it takes the output, and every token it finds is final.
+                c = state.outputs[d.index]
+                c.token_ids.extend(d.new_token_ids)
+                if d.new_logprobs is not None:
+                    c.logprobs.extend(d.new_logprobs)
+                state.outputs[d.index] = CompletionOutput(d.index, c.token_ids, d.cumulative_logprob, c.logprobs,
+                                                          d.finish_reason, d.stop_reason, _text=d.text)
             if m is not None:
                 if state.last_output_time is None:
                     m.time_to_first_token.observe(now - state.arrival_time)
                 else:
                     m.inter_token_latency.observe(now - state.last_output_time)
             state.last_output_time = now
-            if out.finished:
-                del self._requests[out.request_id]
+            if delta.finished:
+                del self._requests[delta.request_id]
                 if m is not None:
                     m.e2e_request_latency.observe(now - state.arrival_time)
-                    m.request_success.labels(out.outputs[0].finish_reason or "unknown").inc()
-            items.append((state.queue, (out.request_id, out)))
-        self._post(items)
-
-    def _post(self, items: list[tuple[asyncio.Queue, Any]]) -> None:
-        if items and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(_put_all, items)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+                    m.request_success.labels(state.outputs[0].finish_reason or "unknown").inc()
+            out = RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, list(state.outputs), delta.finished)
+            state.queue.put_nowait((state.request_id, out))
 
 
 class RequestStream:
@@ -234,7 +334,7 @@ class RequestStream:
     elsewhere.
     """
 
-    def __init__(self, engine: AsyncLLMEngine, queue: asyncio.Queue, request_ids: set[str]) -> None:
+    def __init__(self, engine: AsyncLLM, queue: asyncio.Queue, request_ids: set[str]) -> None:
         self.engine = engine
         self.queue = queue
         self.unfinished = set(request_ids)

@@ -2,9 +2,9 @@
 
 One idea: two kinds of figures. The engine's state (KV pool usage, requests running / waiting /
 swapped, the token and preemption counters) is read from `LLMEngine.get_stats()` and
-`get_num_requests_by_state()` on the engine thread when /metrics is scraped, and exposed through a
-collector; latencies (time to first token, inter-token latency, end to end) are observed by the engine
-thread as each step's outputs are handed out, into histograms.
+`get_num_requests_by_state()` by the engine's process between two steps when /metrics is scraped, and
+exposed through a collector; latencies (time to first token, inter-token latency, end to end) are
+observed by the server as each step's outputs arrive from the engine, into histograms.
 
 Invariant: `pagedref:kv_cache_usage_perc` is the share of the pool's blocks held by requests (vLLM's
 `vllm:kv_cache_usage_perc`, a fraction in [0, 1]): 0 when no request is in flight, since a finished or
@@ -51,7 +51,7 @@ class ServerMetrics:
         r.register(_EngineCollector(self))
 
     def render(self, snapshot: dict[str, Any]) -> bytes:
-        """The text exposition, with the engine figures of `snapshot` (taken on the engine thread)."""
+        """The text exposition, with the engine figures of `snapshot` (taken by the engine's process)."""
         self.snapshot = snapshot
         return generate_latest(self.registry)
 

@@ -3,8 +3,8 @@
 One idea: a SIGTERM or SIGINT (or `Server.should_exit`) shuts the server down in four moves: stop
 admitting (new requests get 503 while the socket still accepts), give the requests in flight
 `shutdown_timeout` seconds to finish, abort the rest (their streams end with finish_reason "abort"
-and `data: [DONE]`), then close the socket and stop the engine thread (the app's lifespan), which
-leaves the KV pool free. The process then exits 0: unlike uvicorn's own handling, the signal is not
+and `data: [DONE]`), then close the socket and stop the engine's process (the app's lifespan), which
+frees the KV pool and exits. The process then exits 0: unlike uvicorn's own handling, the signal is not
 raised again after the graceful shutdown, so a clean stop is a success.
 
 Invariant: the "ready" line (`pagedref.serve: ready on http://HOST:PORT`) is printed only once the
@@ -23,7 +23,7 @@ import threading
 
 import uvicorn
 
-from pagedref.serve.async_engine import AsyncLLMEngine
+from pagedref.serve.async_engine import AsyncLLM
 
 log = logging.getLogger("pagedref.serve")
 READY = "pagedref.serve: ready on"
@@ -32,7 +32,7 @@ READY = "pagedref.serve: ready on"
 class Server(uvicorn.Server):
     """uvicorn's Server with pagedref's graceful shutdown (module docstring)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, shutdown_timeout: float = 5.0) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, shutdown_timeout: float = 5.0) -> None:
         super().__init__(config)
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
