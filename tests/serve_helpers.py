@@ -23,14 +23,14 @@ class LiveServer:
     this process; the engine runs in its own process, as the server's does (`engine` is the frontend)."""
 
     def __init__(self, model_dir: Path, name: str = "test-model", api_key: str | None = None,
-                 shutdown_timeout: float = 1.0, **engine_kwargs) -> None:
+                 shutdown_timeout: float = 1.0, core=None, **engine_kwargs) -> None:
         import uvicorn
 
         from pagedref.serve.api import ServerConfig, build_app
         from pagedref.serve.async_engine import AsyncLLM
         from pagedref.serve.server import Server
 
-        self.engine = AsyncLLM({"model": str(model_dir), "device": "cpu", **engine_kwargs})
+        self.engine = AsyncLLM({"model": str(model_dir), "device": "cpu", **engine_kwargs}, **({"core": core} if core else {}))
         try:
             self.app = build_app(self.engine, ServerConfig(name, Path(model_dir), api_key))
             config = uvicorn.Config(self.app, host=HOST, port=0, log_level="warning", lifespan="on")
@@ -130,3 +130,43 @@ def wait_idle(url: str, timeout: float = 10.0) -> dict[str, float]:
         if (m["pagedref:num_requests_running"] == 0 and m["pagedref:num_requests_waiting"] == 0) or time.monotonic() > deadline:
             return m
         time.sleep(0.05)
+
+
+def failing_core(llm_kwargs, commands, outputs, log_level, fail_after: int = 3) -> None:
+    """The engine core, whose engine raises on its step after `fail_after` steps (an engine error, injected:
+    a module-level function, so the spawned engine process can import it; the patch lives in that process)."""
+    from pagedref.engine.llm import LLMEngine
+    from pagedref.serve.engine_core import run_engine_core
+
+    step, count = LLMEngine.step, [0]
+
+    def failing_step(self, *args, **kwargs):
+        count[0] += 1
+        if count[0] > fail_after:
+            raise RuntimeError("injected engine failure")
+        return step(self, *args, **kwargs)
+
+    LLMEngine.step = failing_step
+    run_engine_core(llm_kwargs, commands, outputs, log_level)
+
+
+def engine_pid(log: str) -> int:
+    """The engine process' id, from the server's "serving ..." line."""
+    m = re.search(r"engine process (\d+)", log)
+    assert m, log
+    return int(m.group(1))
+
+
+def process_gone(pid: int, timeout: float = 15.0) -> bool:
+    """True once no process `pid` is left (or only its zombie, which its new parent reaps), polled."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)

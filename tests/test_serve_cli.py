@@ -1,6 +1,6 @@
 """`python -m pagedref.serve` as a process: bad flags are usage errors before any weight is loaded, and
 SIGTERM shuts it down cleanly (no new request admitted, the streams in flight ended with [DONE], the KV
-pool free) with exit status 0. Also the `pagedref` console script's dispatch."""
+pool free, the engine's process gone) with exit status 0. Also the `pagedref` console script's dispatch."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytest.importorskip("fastapi", reason="the server needs the serve extra (pip ins
 from pagedref import cli  # noqa: E402
 from pagedref.bench.serve import random_model_dir  # noqa: E402
 from pagedref.serve.__main__ import main as serve_main  # noqa: E402
-from serve_helpers import ServerProcess  # noqa: E402
+from serve_helpers import ServerProcess, engine_pid, process_gone  # noqa: E402
 
 
 @pytest.mark.parametrize("args, words", [
@@ -75,5 +75,6 @@ def test_sigterm_ends_the_streams_frees_the_pool_and_exits_0(tmp_path):
         assert ends == [("data: [DONE]", "abort")] * 3
         log = server.output()
         assert "engine stopped: 0 requests left, 0 of" in log, log
+        assert process_gone(engine_pid(log), timeout=5), "the engine process outlived its server"
     finally:
         server.kill()

@@ -30,7 +30,7 @@ import logging
 import multiprocessing
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from pagedref import SamplingParams
 from pagedref.engine.block_manager import ContiguousBlockManager
@@ -105,13 +105,15 @@ class AsyncLLM:
     """
 
     def __init__(self, llm_kwargs: dict[str, Any], metrics: ServerMetrics | None = None,
-                 start_timeout: float = 3600.0, log_level: int = logging.INFO) -> None:
+                 start_timeout: float = 3600.0, log_level: int = logging.INFO, core: Callable = run_engine_core) -> None:
+        """`llm_kwargs`: `LLM(...)`'s, for the engine's process; `core`: that process' entry point (a module-level
+        function of run_engine_core's arguments; tests give one that wraps it)."""
         from pagedref.models import load_tokenizer
 
         ctx = multiprocessing.get_context("spawn")  # torch / CUDA start fresh in the child, never forked
         self._commands, child_commands = ctx.Pipe(duplex=False)[::-1]
         child_outputs, self._outputs = ctx.Pipe(duplex=False)[::-1]
-        self.process = ctx.Process(target=run_engine_core, args=(llm_kwargs, child_commands, child_outputs, log_level),
+        self.process = ctx.Process(target=core, args=(llm_kwargs, child_commands, child_outputs, log_level),
                                    name="pagedref-engine-core")
         self.process.start()
         child_commands.close()  # ours are the other ends: the child's exit then reads as end of file here
@@ -224,12 +226,16 @@ class AsyncLLM:
                 self.metrics.num_aborted_requests.inc(len(request_ids))
 
     async def get_stats(self) -> dict[str, Any]:
-        """The engine's stats and request counts, read by the core between two steps."""
+        """The engine's stats and request counts, read by the core between two steps ({} once the engine died:
+        /metrics still shows the server's own figures)."""
         if self.final_stats is not None:
             return self.final_stats
         if self.error is not None:
-            raise EngineDead(f"the engine stopped: {self.error}")
-        return await self._ask(("stats",))
+            return {}
+        try:
+            return await self._ask(("stats",))
+        except EngineDead:
+            return {}
 
     def _ask(self, command: tuple, key: str = "stats") -> asyncio.Future:
         token = next(self._tokens)
