@@ -30,11 +30,13 @@ def test_smoke_run_reports_benchmark_servings_figures(tmp_path, capsys):
             assert set(run[figure]) == {"mean", "median", "p99", "std"}
             assert 0 < run[figure]["median"] <= run[figure]["p99"]
         assert run["output_throughput"] > 0 and run["request_throughput"] > 0
+        assert run["engine_steps"] >= 6 and run["engine_steps_per_s"] > 0  # 6 tokens each: at least 6 steps
     assert doc["server_exit_status"] == 0  # SIGTERM: a clean shutdown
     assert doc["engine"]["num_kv_blocks"] == 4096 and doc["engine"]["enable_prefix_caching"] is False  # bench serve's
     assert doc["offline"]["output_tokens"] == 36 and doc["offline"]["online_inf_over_offline"] > 0
+    assert doc["offline"]["engine_steps_per_s"] > 0 and doc["server_kv_blocks"] == doc["offline"]["kv_blocks"] == 4096
     report = capsys.readouterr().out
-    assert "TTFT ms mean/med/P99" in report and "bench serve (offline" in report
+    assert "TTFT ms mean/med/P99" in report and "bench serve (offline" in report and "engine steps/s" in report
     assert (tmp_path / "online.png").stat().st_size > 0
     assert online.main(["--from-json", str(out)]) == 0  # replays the saved results
     assert "TPOT ms" in capsys.readouterr().out
@@ -52,6 +54,8 @@ def test_the_workload_is_bench_serves():
     (["--request-rate", "0"], "--request-rate must be > 0"),
     (["--request-rate", "fast"], "not a number or 'inf'"),
     (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["--num-kv-blocks", "-1"], "--num-kv-blocks must be >= 0"),
+    (["--num-kv-blocks", "0"], "needs --device cuda"),
     (["--base-url", "http://127.0.0.1:9", "--compare-offline"], "--compare-offline"),
     (["--model", "/no/such/dir"], "not a model directory"),
 ])

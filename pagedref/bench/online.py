@@ -16,8 +16,11 @@ By default it starts the server itself (a subprocess on 127.0.0.1, a free port) 
 engine settings (`pagedref.bench.serve.engine_args`: the same KV pool of --num-kv-blocks blocks, block
 size, max_model_len, max_num_seqs, no prefix caching) on `bench serve`'s random weights at --model-shape
 (8B on a GPU), so its `inf` throughput is comparable with `bench serve`'s offline one; `--compare-offline`
-then stops the server and runs `bench serve`'s pagedref system on the same requests, and reports both.
-`--base-url` targets a server already running instead.
+then stops the server and runs `bench serve`'s pagedref system on the same requests and engine settings,
+and reports both, with the engine's steps per second each way (the server's from its /metrics) and the KV
+pool each got. `--num-kv-blocks 0` sizes the pool from `--gpu-memory-utilization` instead (vLLM's way;
+the server's engine profiles it in its own process, the offline engine in this one). `--base-url`
+targets a server already running instead.
 
 Invariant: every rate sends the same requests in the same order, and only requests that returned every
 token asked for count as completed (the others are reported as failed, with their errors).
@@ -242,6 +245,10 @@ def print_report(doc: dict[str, Any]) -> None:
         ratio = off["online_inf_over_offline"]
         print(f"\nbench serve (offline, the same requests and engine): {off['output_tokens_per_s']:.1f} output tok/s"
               + (f"; online at rate inf: {ratio:.1%} of it" if ratio is not None else " (no inf rate was run online)"))
+        inf = next((r for r in doc["runs"] if r["request_rate"] == "inf"), None)
+        if off.get("engine_steps_per_s") and inf and inf.get("engine_steps_per_s"):
+            print(f"engine steps/s: {inf['engine_steps_per_s']:.1f} online at rate inf, {off['engine_steps_per_s']:.1f} offline; "
+                  f"KV pool: {doc.get('server_kv_blocks') or 0:.0f} blocks served, {off['kv_blocks']} offline")
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
@@ -289,7 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", type=Path, default=None, help="a model directory instead of random weights (its vocabulary "
                                                             "and max_position_embeddings bound the workload)")
     m.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    m.add_argument("--num-kv-blocks", type=int, default=4096, help=f"the KV pool in blocks of {BLOCK_SIZE} tokens (bench serve's)")
+    m.add_argument("--num-kv-blocks", type=int, default=4096,
+                   help=f"the KV pool in blocks of {BLOCK_SIZE} tokens (bench serve's); 0: sized from "
+                        "--gpu-memory-utilization by profiling, as vLLM does (cuda only)")
     m.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     m.add_argument("--max-num-seqs", type=int, default=None,
                    help="default: the engine's (1024 on a GPU of >= 70 GiB, as vLLM's; 256 otherwise)")
@@ -328,9 +337,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
         parser.error(f"--model {args.model}: not a model directory (no config.json)")
     if args.num_prompts is None:
         args.num_prompts = NUM_PROMPTS if device == "cuda" else 100
-    for flag in ("num_prompts", "num_kv_blocks"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.num_prompts < 1:
+        parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.num_kv_blocks < 0:
+        parser.error(f"--num-kv-blocks must be >= 0, got {args.num_kv_blocks}")
+    if args.num_kv_blocks == 0 and device != "cuda":
+        parser.error("--num-kv-blocks 0 (size the pool by profiling the GPU) needs --device cuda")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         parser.error(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     for flag in ("input_len", "output_len", "max_concurrency", "max_num_batched_tokens"):
@@ -388,10 +400,16 @@ def main(argv: list[str] | None = None) -> int:
         warm_result = asyncio.run(run_rate(url, served, [warm], float("inf"), args.seed, None))[0][0]
         if not warm_result.ok:
             raise RuntimeError(f"the warm-up request failed: {warm_result.error}")
+        doc["server_kv_blocks"] = _server_figure(url, "pagedref:num_kv_blocks")
         for rate in rates:
             log(f"[online] rate {rate}: {len(reqs)} requests ...")
+            steps_before = _server_figure(url, "pagedref:num_engine_steps_total")
             results, duration = asyncio.run(run_rate(url, served, reqs, rate, args.seed, args.max_concurrency))
             run = summarize(results, duration, rate)
+            steps_after = _server_figure(url, "pagedref:num_engine_steps_total")
+            if steps_before is not None and steps_after is not None:  # a server of another kind may not count them
+                run["engine_steps"] = steps_after - steps_before
+                run["engine_steps_per_s"] = run["engine_steps"] / duration
             log(f"[online] rate {rate}: {run['completed']} done in {duration:.1f} s, {run['output_throughput']:.1f} output tok/s")
             doc["runs"].append(run)
             if args.json_out:
@@ -405,10 +423,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_offline:
         offline = run_pagedref(model_dir, reqs, "paged", llm_kwargs, log)
         inf = next((r for r in doc["runs"] if r["request_rate"] == "inf"), None)
+        steps = re.match(r"(\d+) steps", offline.note)
         doc["offline"] = {**offline.as_dict(),
+                          "engine_steps_per_s": int(steps.group(1)) / offline.elapsed_s if steps else None,
                           "online_inf_over_offline": inf["output_throughput"] / offline.output_tokens_per_s if inf else None}
     emit(doc, args, print_report, plot)
     return 0
+
+
+def _server_figure(url: str, name: str) -> float | None:
+    """One sample of the server's /metrics (None when it has no such figure)."""
+    import httpx
+
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
 
 
 def _served_name(url: str) -> str:

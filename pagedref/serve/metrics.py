@@ -84,6 +84,8 @@ class _EngineCollector:
         yield _counter("pagedref:num_preemptions", "Preemptions since the engine started.", s["num_preemptions"])
         yield _counter("pagedref:prompt_tokens", "Prompt tokens of the requests added.", s["num_prompt_tokens"])
         yield _counter("pagedref:generation_tokens", "Tokens generated.", s["num_generated_tokens"])
+        yield _counter("pagedref:num_engine_steps", "Engine steps since the engine started (pagedref's own: bench online "
+                       "compares the step rate served with the offline one).", s["num_steps"])
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
