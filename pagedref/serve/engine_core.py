@@ -18,7 +18,9 @@ their logprobs, if asked), plus the finish reason and the final text once it fin
 pipe per step is O(new tokens), however long the completions grow.
 
 Commands are read by a thread of this process and run by the loop between two steps, so requests join
-and leave the batch only between steps, and an abort frees its blocks before the next step.
+and leave the batch only between steps, and an abort frees its blocks before the next step. Messages
+are pickled and written by another thread, in order, so the loop never waits on the pipe (a frontend
+busy for a moment does not stall the engine) and the pickling overlaps the step's wait for the GPU.
 
 Invariant: every request added is answered, by deltas ending in a finished one, a "rejected", or the
 "dead" that stopped the core; after "stopped" (or "dead") nothing of any request is left in the engine.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import queue
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -78,13 +81,14 @@ def run_engine_core(llm_kwargs: dict[str, Any], commands, outputs, log_level: in
     """The process' entry point: load the engine, say "ready" (or "failed"), then serve commands and step."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the frontend decides
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
-    core = EngineCore(commands, outputs)  # reads commands from now on: a frontend that dies ends the loading too
+    core = EngineCore(commands, outputs, own_process=True)  # reads commands from now on: a dead frontend ends loading
     try:
         from pagedref import LLM
 
         llm = LLM(**llm_kwargs)
     except BaseException as err:  # the frontend reports it (a bad flag or model is a usage error there)
-        outputs.send(("failed", type(err).__name__, str(err)))
+        core.send(("failed", type(err).__name__, str(err)))
+        core.close()
         return
     try:
         core.serve(llm)
@@ -95,15 +99,36 @@ def run_engine_core(llm_kwargs: dict[str, Any], commands, outputs, log_level: in
 class EngineCore:
     """The loop: commands between steps, one "step" message per step that made tokens."""
 
-    def __init__(self, commands, outputs) -> None:
+    def __init__(self, commands, outputs, own_process: bool = False) -> None:
+        """own_process: this process is the core's alone, and ends at once if the frontend dies while the
+        engine still loads (nothing else would notice: loading is not a loop)."""
+        self.own_process = own_process
         self.commands_in = commands
-        self.out = outputs
+        self.outputs = outputs
         self.engine = None
+        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()  # None: no more messages
         self._commands: deque[tuple | None] = deque()  # None: the frontend is gone
         self._wake = threading.Condition()
         self._serving = False
         self._sent: dict[str, list[list]] = {}  # request id -> per sequence index [tokens sent, finished sent]
         threading.Thread(target=self._read, name="pagedref-engine-commands", daemon=True).start()
+        self._writer = threading.Thread(target=self._write, name="pagedref-engine-outputs", daemon=True)
+        self._writer.start()
+
+    def send(self, message: tuple) -> None:
+        self._outbox.put(message)
+
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self.outputs.send(message)
+            except (BrokenPipeError, ConnectionResetError, OSError):  # the frontend is gone: nobody to tell
+                return
+
+    def close(self) -> None:
+        """Every message sent so far written, then the writer stopped."""
+        self._outbox.put(None)
+        self._writer.join()
 
     def _read(self) -> None:
         """Commands into the queue as they come, so the frontend's sends never wait on a step."""
@@ -112,7 +137,7 @@ class EngineCore:
                 command = self.commands_in.recv()
             except (EOFError, OSError):
                 command = None
-            if command is None and not self._serving:  # the frontend died while the engine was loading
+            if command is None and not self._serving and self.own_process:  # the frontend died while the engine loads
                 os._exit(1)
             with self._wake:
                 self._commands.append(command)
@@ -121,11 +146,19 @@ class EngineCore:
                 return
 
     def serve(self, llm) -> None:
+        """Say "ready", then run commands and steps until "shutdown" or the frontend's end; every message is
+        written when this returns."""
+        try:
+            self._serve(llm)
+        finally:
+            self.close()
+
+    def _serve(self, llm) -> None:
         engine = self.engine = llm.llm_engine
         stats = engine.get_stats()
         cache = engine.config.cache
         self._serving = True
-        self.out.send(("ready", EngineFacts(engine.max_model_len, engine.vocab_size, engine.max_logprobs, cache.kv_cache,
+        self.send(("ready", EngineFacts(engine.max_model_len, engine.vocab_size, engine.max_logprobs, cache.kv_cache,
                                             stats["num_blocks"], stats["block_size"], stats["device"], stats["dtype"],
                                             os.getpid())))
         busy = False
@@ -142,26 +175,18 @@ class EngineCore:
                     if command[0] == "shutdown":
                         engine.abort_request(list(self._sent))
                         self._sent.clear()
-                        self.out.send(("stopped", self._stats()))
+                        self.send(("stopped", self._stats()))
                         return
                     self._run(command)
                 busy = engine.has_unfinished_requests()
                 if busy:
                     deltas = self._deltas(engine.step())
                     if deltas:
-                        self.out.send(("step", deltas))
+                        self.send(("step", deltas))
                     busy = engine.has_unfinished_requests()
-        except (BrokenPipeError, ConnectionResetError, EOFError):  # the frontend went away mid-send
-            return
         except BaseException as err:  # the engine is in an unknown state: every request ends with this
             log.exception("the engine core stopped on an error")
-            self._send_dead(err)
-
-    def _send_dead(self, err: BaseException) -> None:
-        try:
-            self.out.send(("dead", f"{type(err).__name__}: {err}"))
-        except OSError:
-            pass
+            self.send(("dead", f"{type(err).__name__}: {err}"))
 
     def _run(self, command: tuple) -> None:
         kind = command[0]
@@ -170,14 +195,14 @@ class EngineCore:
             try:
                 self.engine.add_request(request_id, prompt, params)
             except (TypeError, ValueError) as err:  # the frontend checked it already; a late refusal still answers
-                self.out.send(("rejected", request_id, f"{type(err).__name__}: {err}"))
+                self.send(("rejected", request_id, f"{type(err).__name__}: {err}"))
                 return
             self._sent[request_id] = [[0, False] for _ in range(params.n)]
         elif kind == "abort":
             ids = [rid for rid in command[1] if self._sent.pop(rid, None) is not None]
             self.engine.abort_request(ids)  # frees their blocks now, before the next step
         elif kind == "stats":
-            self.out.send(("stats", command[1], self._stats()))
+            self.send(("stats", command[1], self._stats()))
         else:
             raise ValueError(f"unknown engine core command {kind!r}")
 
