@@ -19,8 +19,8 @@ from pagedref import LLM, SamplingParams
 from pagedref.backends.cuda import CudaBackend
 from pagedref.backends.metadata import AttentionMetadata
 from pagedref.backends.reference import ReferenceBackend, write_kv
-from pagedref.engine.cuda_graph import (DecodeGraphs, PiecewiseGraphs, graph_batch_sizes, num_scratch_blocks,
-                                        padded_batch_size, piecewise_sizes)
+from pagedref.engine.cuda_graph import (DecodeGraphs, PiecewiseGraphs, context_buckets, decode_partition_size,
+                                        graph_batch_sizes, num_scratch_blocks, padded_batch_size, piecewise_sizes)
 from pagedref.engine.model_runner import allocate_kv_caches
 from pagedref.kernels import gpu_available
 from pagedref.models.llama import one_thread
@@ -47,6 +47,12 @@ def test_pieces_are_captured_for_token_counts_up_to_max_capture_size():
     assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-3:] == [1792, 1920, 2048]
     assert piecewise_sizes(100)[-2:] == [96, 100], "max_capture_size itself is always captured"
     assert padded_batch_size(300, sizes) == 320 and padded_batch_size(2049, sizes) is None
+
+
+def test_decode_graphs_are_captured_for_one_partition_of_context_and_for_the_longest():
+    assert context_buckets(2048, 1024) == [1024, 2048] and context_buckets(512, 1024) == [512]
+    assert decode_partition_size(torch.bfloat16, 128) == 1024, "v3 on the tensor cores"
+    assert decode_partition_size(torch.float32, 128) == decode_partition_size(torch.bfloat16, 32) == 512, "v2"
 
 
 def test_the_pool_gets_one_scratch_slot_per_padding_row():
@@ -122,11 +128,11 @@ class PaddedReference(ReferenceBackend):
 class Rerun:
     """A stand-in CUDA graph: replay() recomputes the forward over the same static buffers into the same output."""
 
-    def __init__(self, graphs: DecodeGraphs, bs: int, out: torch.Tensor) -> None:
-        self.graphs, self.bs, self.out = graphs, bs, out
+    def __init__(self, graphs: DecodeGraphs, bs: int, ctx: int, out: torch.Tensor) -> None:
+        self.graphs, self.bs, self.ctx, self.out = graphs, bs, ctx, out
 
     def replay(self) -> None:
-        self.out.copy_(self.graphs.forward(self.bs))
+        self.out.copy_(self.graphs.forward(self.bs, self.ctx))
 
 
 class StandInGraphs(DecodeGraphs):
@@ -134,9 +140,10 @@ class StandInGraphs(DecodeGraphs):
 
     def capture(self) -> None:
         with self.backend.unchecked():
-            for bs in self.sizes:
-                out = self.forward(bs).clone()
-                self.graphs[bs] = (Rerun(self, bs, out), out)
+            for ctx in self.buckets:
+                for bs in self.sizes:
+                    out = self.forward(bs, ctx).clone()
+                    self.graphs[bs, ctx] = (Rerun(self, bs, ctx, out), out)
 
 
 class Call:
@@ -173,14 +180,16 @@ def test_the_replay_data_flow_on_the_cpu_gives_the_eager_bits(max_num_seqs):
     num_blocks = kw["num_kv_blocks"]  # the managed pool; the scratch blocks follow it
     runner.kv_caches = allocate_kv_caches(runner.model.config, num_blocks + num_scratch_blocks(max_num_seqs, 8), 8,
                                           torch.float32, "cpu")
+    # Decode graphs for contexts of up to 24 and up to 64 tokens (one partition and the longest captured)
     runner.graphs = StandInGraphs(runner.model, PaddedReference(num_blocks * 8), runner.kv_caches, 8, max_num_seqs, 128,
-                                  64, first_scratch_block=num_blocks)
+                                  64, first_scratch_block=num_blocks, buckets=[24, 64])
     # Pieces for 1, 2, 4, 8 and 14 tokens: the steps with prefill of 3, 7 or 13 tokens replay them padded,
     # those of 15 or 16 run eagerly.
     runner.piecewise = StandInPiecewise(runner.model, runner.backend, runner.kv_caches, max_capture_size=14)
     graphed = llm.generate(prompts, greedy)
     stats = llm.get_stats()
     assert stats["num_cuda_graph_replays"] == runner.graphs.num_replays > 0
+    assert min(runner.graphs.bucket_replays.values()) > 0, "decode steps replay both context buckets"
     assert stats["num_piecewise_graph_replays"] == runner.piecewise.num_replays > 0
     assert stats["num_cuda_graph_replays"] + stats["num_piecewise_graph_replays"] < stats["num_steps"], "some steps eager"
     assert stats["num_preemptions"] > 0, "the pool is small enough that preemption happens too"
@@ -279,6 +288,28 @@ def test_preemption_under_graphs_keeps_every_request_right():
     assert stats["num_preemptions"] > 0 and stats["num_cuda_graph_replays"] > 0
     assert stats["num_piecewise_graph_replays"] > 0
     assert [ids for ids, _ in graphed] == [ids for ids, _ in eager]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_decode_steps_replay_the_one_partition_graphs_until_a_context_passes_a_partition():
+    # float32 decodes with v2's 512-token partitions: steps whose contexts fit one replay the graphs captured
+    # without the reduction; once the 300-token prompt's sequence passes 512 tokens, the 1024-token ones.
+    name = "tiny-llama3-hd64"
+    prompts = [{"prompt_token_ids": c["prompt_ids"]} for c in read_reference(name, "hf_reference.json")["cases"]]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (8, 8, 8, 260)]
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(model_path(name), device="cuda", dtype="float32", max_model_len=1024, num_kv_blocks=128,
+                  record_logits=True, enforce_eager=eager)
+        try:
+            runs[eager] = [(o.outputs[0].token_ids, o.outputs[0].logits) for o in llm.generate(prompts, greedy)]
+            graphs = llm.llm_engine.runner.graphs
+        finally:
+            llm.close()
+    assert graphs.buckets == [512, 1024]
+    assert graphs.bucket_replays[512] > 0 and graphs.bucket_replays[1024] > 0
+    _same(runs[True], runs[False])
 
 
 @pytest.mark.gpu

@@ -13,8 +13,14 @@ tensor addresses, and replays them all with one call (vLLM's and nano-vllm's `ca
   the pool holds past the blocks the block manager hands out, so their K/V writes land where no
   sequence ever reads (vLLM instead gives them slot -1, which its cache kernel skips: the same
   effect without touching the verified kernels);
-- the decode kernel's grid is captured for `max_seq_len_to_capture` tokens of context, whatever the
-  step's longest context; a longer context, or any step with a prefill chunk, goes to the pieces.
+- the decode kernel's grid is fixed at capture by a context length, so each batch size is captured
+  twice: for contexts of up to one split-K partition of the decode kernel (1024 tokens on the tensor
+  cores), where every sequence writes its output directly and no reduction is launched, and for up to
+  `max_seq_len_to_capture` tokens (its CTAs past a shorter context exit at once, and the reduction
+  merges the partitions of the longer ones). A step replays the smaller that holds its longest context:
+  at 256 sequences of ~200 tokens the long one launched 8192 CTAs of an empty reduction and 2048 of
+  empty partitions per layer. A sequence's bits do not depend on which (its partitions are its own).
+  A longer context, or any step with a prefill chunk, goes to the pieces.
 
 A step with prefill tokens cannot be one graph: the prefill kernel's grid and its loops follow each
 sequence's query and context lengths. But attention is the only operation that mixes tokens, so
@@ -44,6 +50,7 @@ import torch
 
 from pagedref.backends.metadata import AttentionMetadata
 from pagedref.kernels.fused import RotaryTables
+from pagedref.kernels.splitk import MMA_PARTITION_SIZE, PARTITION_SIZE, mma_supported
 from pagedref.memory.block_table import cdiv
 
 BATCH_SIZE_LADDER = (1, 2, 4, 8) + tuple(range(16, 4097, 16))  # vLLM's capture sizes
@@ -76,6 +83,18 @@ def num_scratch_blocks(max_num_seqs: int, block_size: int) -> int:
     return cdiv(max(graph_batch_sizes(max_num_seqs)), block_size)
 
 
+def decode_partition_size(dtype: torch.dtype, head_dim: int) -> int:
+    """Tokens per split-K partition of the decode kernel the cuda backend runs for this dtype and head_dim
+    (v3 on the tensor cores where it applies, else v2: `kernels.launch`'s choice, from the shapes alone)."""
+    elem_size = torch.empty((), dtype=dtype).element_size()
+    return MMA_PARTITION_SIZE if mma_supported(elem_size, head_dim) else PARTITION_SIZE
+
+
+def context_buckets(max_context_len: int, partition_size: int) -> list[int]:
+    """The context lengths decode graphs are captured for: one partition's, and the longest captured."""
+    return sorted({min(partition_size, max_context_len), max_context_len})
+
+
 def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
     """The smallest captured size that holds num_seqs sequences (None: more than the largest)."""
     return next((b for b in sizes if b >= num_seqs), None)
@@ -86,12 +105,17 @@ class DecodeGraphs:
 
     def __init__(self, model, backend, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  max_num_seqs: int, max_model_len: int, max_seq_len_to_capture: int = MAX_SEQ_LEN_TO_CAPTURE, *,
-                 first_scratch_block: int) -> None:
-        """kv_caches: the pool; its blocks from first_scratch_block on are never handed to a sequence."""
+                 first_scratch_block: int, buckets: list[int] | None = None) -> None:
+        """kv_caches: the pool; its blocks from first_scratch_block on are never handed to a sequence.
+        buckets: the context lengths captured (default `context_buckets` at the decode kernel's partition)."""
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.block_size = block_size
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_context_len = min(max_model_len, max_seq_len_to_capture)
+        k_cache = kv_caches[0][0]  # [num_blocks, block_size, Hkv, head_dim] in the model's dtype
+        self.buckets = buckets or context_buckets(self.max_context_len, decode_partition_size(k_cache.dtype, k_cache.shape[-1]))
+        if max(self.buckets) != self.max_context_len:
+            raise ValueError(f"the longest context bucket must be the captured context, {self.max_context_len}")
         device = kv_caches[0][0].device
         max_bs, max_blocks = self.sizes[-1], cdiv(max_model_len, block_size)
         num_blocks = kv_caches[0][0].shape[0]
@@ -106,34 +130,37 @@ class DecodeGraphs:
         self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)  # [max_bs]
         self.block_tables = torch.full((max_bs, max_blocks), -1, dtype=torch.int32, device=device)  # [max_bs, max_blocks]
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)  # one query row each
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bs -> (graph, its output [bs, hidden])
+        # (bs, context bucket) -> (graph, its output [bs, hidden])
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0
+        self.bucket_replays = dict.fromkeys(self.buckets, 0)  # replays per context bucket
         self.capture()
 
-    def meta(self, bs: int) -> AttentionMetadata:
+    def meta(self, bs: int, max_context_len: int) -> AttentionMetadata:
         return AttentionMetadata(self.slot_mapping[:bs], self.query_start_loc[: bs + 1], self.context_lens[:bs],
-                                 self.block_tables[:bs], max_query_len=1, max_context_len=self.max_context_len,
+                                 self.block_tables[:bs], max_query_len=1, max_context_len=max_context_len,
                                  block_size=self.block_size)
 
-    def forward(self, bs: int) -> torch.Tensor:
-        return self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches, self.meta(bs), self.backend)
+    def forward(self, bs: int, max_context_len: int) -> torch.Tensor:
+        return self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches, self.meta(bs, max_context_len),
+                          self.backend)
 
     @torch.no_grad()
     def capture(self) -> None:
-        """One graph per batch size, largest first, all in one memory pool (a replay at a time uses it).
-
-        The buffers hold padding only (scratch slots, contexts 0): capturing writes only into the
-        scratch blocks."""
+        """One graph per batch size and context bucket, largest first, all in one memory pool (a replay at a
+        time uses it). The buffers hold padding only (scratch slots, contexts 0): capturing writes only
+        into the scratch blocks."""
         pool = None
         with self.backend.unchecked():
-            for bs in reversed(self.sizes):
-                self.forward(bs)  # warm-up outside the graph: kernels loaded, allocator primed
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.forward(bs)  # [bs, hidden], in the graph's pool
-                pool = pool or graph.pool()
-                self.graphs[bs] = (graph, out)
+            for ctx in reversed(self.buckets):
+                for bs in reversed(self.sizes):
+                    self.forward(bs, ctx)  # warm-up outside the graph: kernels loaded, allocator primed
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = self.forward(bs, ctx)  # [bs, hidden], in the graph's pool
+                    pool = pool or graph.pool()
+                    self.graphs[bs, ctx] = (graph, out)
         torch.cuda.synchronize()
 
     def can_replay(self, meta: AttentionMetadata) -> bool:
@@ -146,6 +173,7 @@ class DecodeGraphs:
         step's values first (`ModelRunner.run_model`: on the host copy of the metadata, no sync)."""
         n, w = meta.num_seqs, meta.block_tables.shape[1]
         bs = padded_batch_size(n, self.sizes)
+        ctx = next(c for c in self.buckets if c >= meta.max_context_len)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
@@ -153,9 +181,10 @@ class DecodeGraphs:
         self.context_lens[:n].copy_(meta.context_lens)
         self.context_lens[n:bs].fill_(0)
         self.block_tables[:n, :w].copy_(meta.block_tables)  # columns past w: stale, never read (past the context)
-        graph, out = self.graphs[bs]
+        graph, out = self.graphs[bs, ctx]
         graph.replay()
         self.num_replays += 1
+        self.bucket_replays[ctx] += 1
         return out[:n]
 
 
