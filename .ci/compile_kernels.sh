@@ -15,12 +15,15 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 python3 -c "from pagedref.kernels.build import print_ci_configs; print_ci_configs()" >"$tmp/configs"
 echo "compile_kernels: $(wc -l <"$tmp/configs") configurations, nvcc -arch=$ARCH --ptx, $JOBS jobs"
-# Each line: FILE [-DNAME=VALUE ...]; any failing nvcc fails the script (xargs exits non-zero).
+# Each line: FILE [-arch=TARGET] [-DNAME=VALUE ...]: a config that names its own target (prefill v3:
+# sm_90a, for wgmma and setmaxnreg) is compiled for it instead of $ARCH. Any failing nvcc fails the
+# script (xargs exits non-zero).
 compile() {
-  local n=$1 file=$2
+  local n=$1 file=$2 arch=$ARCH
   shift 2
-  nvcc -arch="$ARCH" -std=c++17 --ptx -Icuda "$@" "cuda/$file" -o "$tmp/k$n.ptx" \
-    || { echo "FAILED: nvcc -arch=$ARCH -std=c++17 --ptx -Icuda $* cuda/$file" >&2; exit 255; }
+  case "${1:-}" in -arch=*) arch=${1#-arch=}; shift ;; esac
+  nvcc -arch="$arch" -std=c++17 --ptx -Icuda "$@" "cuda/$file" -o "$tmp/k$n.ptx" \
+    || { echo "FAILED: nvcc -arch=$arch -std=c++17 --ptx -Icuda $* cuda/$file" >&2; exit 255; }
 }
 export -f compile
 export ARCH tmp

@@ -60,8 +60,9 @@ __device__ __forceinline__ float group_max(float x) {
 }
 
 // Tensor-core helpers of the decode kernel's v3 (-DDECODE_MMA=1) and the prefill kernel's v2
-// (-DPREFILL_MMA=1).
-#if (defined(PREFILL_MMA) && PREFILL_MMA) || (defined(DECODE_MMA) && DECODE_MMA)
+// (-DPREFILL_MMA=1) and v3 (paged_prefill_hopper.cu defines PREFILL_WGMMA).
+#if (defined(PREFILL_MMA) && PREFILL_MMA) || (defined(DECODE_MMA) && DECODE_MMA) || \
+    (defined(PREFILL_WGMMA) && PREFILL_WGMMA)
 constexpr float LOG2E = 1.4426950408889634f;
 
 #if PR_DTYPE == 2

@@ -30,9 +30,13 @@
 //      bounded by the FMA rate (about 67 TFLOP/s on an H100/H200) and shared-memory traffic.
 //   v2 paged_prefill_v2 (with -DPREFILL_MMA=1; 16-bit Q/K/V, vLLM's head sizes 64 .. 256): FlashAttention-2
 //      on the tensor cores (mma.sync m16n8k16, cp.async double buffering, ldmatrix). Its own section
-//      at the end of this file; the default wherever it applies. The launcher runs v1 for any other
-//      dtype or head_dim (a choice made from the model's shapes, never from the batch).
-//   next (not here): Hopper's wgmma fed by the bulk tensor copy engine (FlashAttention-3).
+//      at the end of this file; the default wherever v3 does not apply. The launcher runs v1 for any
+//      other dtype or head_dim (a choice made from the model's shapes, never from the batch).
+//   v3 paged_prefill_v3 (its own file, paged_prefill_hopper.cu: sm_90a only; 16-bit, HEAD_DIM 64 or
+//      128): FlashAttention-3 on Hopper's own instructions: wgmma with operands in shared memory, a
+//      producer warpgroup gathering K/V tiles through the block table with cp.async into an mbarrier
+//      ring, two consumer warpgroups, setmaxnreg. The default on sm_90 devices where it applies (a
+//      choice from the model's shapes and the device).
 //
 // Compile-time parameters (-D): PR_DTYPE, HEAD_DIM (multiple of VEC, <= 256), BLOCK_SIZE, PREFILL_MMA (0/1).
 #include "common.cuh"

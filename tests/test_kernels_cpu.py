@@ -73,7 +73,10 @@ def test_ci_config_listing_is_what_the_compile_script_reads():
     out = subprocess.run([sys.executable, "-c", "from pagedref.kernels.build import print_ci_configs; print_ci_configs()"],
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert len(out) == len(build.ci_configs())
-    assert all(line.split()[0].endswith(".cu") and all(w.startswith("-D") for w in line.split()[1:]) for line in out)
+    words = [line.split() for line in out]  # FILE [-arch=TARGET] -D...: a target only where the config names one
+    archs = [w[1] if w[1:] and w[1].startswith("-arch=") else None for w in words]
+    assert all(w[0].endswith(".cu") and all(x.startswith("-D") for x in w[1 + bool(a):]) for w, a in zip(words, archs))
+    assert archs == [c.arch and f"-arch={c.arch}" for c in build.ci_configs()]
 
 
 def test_candidate_tunings_differ_only_in_scheduling_or_stated_arithmetic():
@@ -165,8 +168,8 @@ def test_tensor_core_prefill_falls_back_to_v1_by_dtype_and_head_dim_only():
     for elem_size, head_dim in ((4, 128), (4, 120), (2, 8), (2, 16), (2, 32)):  # float32, or a small head_dim
         assert _prefill_version(2, elem_size, head_dim) == 1
     assert _prefill_version(1, 2, 128) == 1
-    for bad in (0, 3):
-        with pytest.raises(ValueError, match="prefill version must be 1 or 2"):
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="prefill version must be 1, 2 or 3"):
             _prefill_version(bad, 2, 128)
     with pytest.raises(ValueError, match="v2"):
         build.prefill_config("float32", 128, 16, version=2)
@@ -178,9 +181,9 @@ def test_tensor_core_prefill_falls_back_to_v1_by_dtype_and_head_dim_only():
 def test_prefill_launcher_checks_version_before_the_device(p):
     from pagedref import kernels
 
-    with pytest.raises(ValueError, match="prefill version must be 1 or 2"):
+    with pytest.raises(ValueError, match="prefill version must be 1, 2 or 3"):
         kernels.paged_prefill(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.query_start_loc, p.scale,
-                              version=3)
+                              version=4)
     with pytest.raises(ValueError, match="CUDA"):
         kernels.paged_prefill(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.query_start_loc, p.scale,
                               version=2)

@@ -68,7 +68,9 @@ def configs() -> list[build.KernelConfig]:
         name, elem = validate.DTYPE_NAMES[dtype], torch.tensor([], dtype=dtype).element_size()
         version, tuning = _decode_kernel(3, None, elem, head_size)
         out.append(build.decode_config(name, head_size, block_size, heads_per_cta(num_heads, num_kv_heads), tuning))
-        out.append(build.prefill_config(name, head_size, block_size, _prefill_version(2, elem, head_size)))
+        for version in (2, 3):  # test_prefix_prefill_matrix's default (v3 on this device where it applies) and v2
+            out.append(build.prefill_config(name, head_size, block_size,
+                                            _prefill_version(version, elem, head_size, _capability())))
     return list(dict.fromkeys(out))
 
 
@@ -163,8 +165,19 @@ def test_decode_matrix(num_heads, head_size, block_size, dtype):
         assert T.same_bits(run(slice(s, s + 1)), out[s : s + 1]), f"sequence {s} alone differs from the batch"
 
 
-@pytest.mark.parametrize("num_heads,head_size,block_size,dtype", CASES, ids=[case_id(*c) for c in CASES])
-def test_prefix_prefill_matrix(num_heads, head_size, block_size, dtype):
+# Prefix prefill runs the default kernel (v3 on an sm_90 device where it applies); the cases v3 takes
+# also run v2, which serves them on other devices.
+PREFILL_CASES = [(*c, None) for c in CASES] + [
+    (*c, 2) for c in CASES if build.prefill_v3_supported(torch.tensor([], dtype=c[3]).element_size(), c[1], (9, 0))]
+
+
+def _capability() -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+@pytest.mark.parametrize("num_heads,head_size,block_size,dtype,version", PREFILL_CASES,
+                         ids=[case_id(*c[:4]) + ("" if c[4] is None else f"-v{c[4]}") for c in PREFILL_CASES])
+def test_prefix_prefill_matrix(num_heads, head_size, block_size, dtype, version):
     rng = case_rng(num_heads, head_size, block_size, dtype)
     query_lens = [rng.randint(16, MAX_QUERY_LEN) for _ in range(NUM_SEQS)]
     query_lens[-1] = 1  # as vLLM: one sequence of the batch is a decode
@@ -185,7 +198,8 @@ def test_prefix_prefill_matrix(num_heads, head_size, block_size, dtype):
         qsl = torch.tensor([0] + [sum(lens[: i + 1]) for i in range(len(lens))], dtype=torch.int32, device="cuda")
         rows = q[starts[seqs.start or 0] : starts[seqs.stop if seqs.stop is not None else NUM_SEQS]].clone()
         return kernels.paged_prefill(rows, pool.k_cache, pool.v_cache, pool.block_tables[seqs].clone(),
-                                     pool.context_lens[seqs].clone(), qsl, pool.scale, out=torch.full_like(rows, float("nan")))
+                                     pool.context_lens[seqs].clone(), qsl, pool.scale, out=torch.full_like(rows, float("nan")),
+                                     version=version)
     out = run(slice(None))
     ref = torch.cat([pool.oracle(q[starts[s] : starts[s + 1]], s) for s in range(NUM_SEQS)])
     check(out, ref, dtype, PREFILL_TOL, f"prefix prefill, query lengths {query_lens}, context lengths {context_lens}")

@@ -5,8 +5,9 @@ For each (batch, context) we time our split-K kernels (v2 and its candidate tuni
 tensor cores) reading K/V through block tables (blocks in random physical order), torch's
 scaled_dot_product_attention on the same K/V laid out contiguously (the fastest SDPA backend
 that runs), and a plain device-to-device copy, and report
-effective bandwidth = K/V bytes read / time. Prefill (v1 on CUDA cores, v2 on the tensor cores) is
-reported in TFLOP/s against SDPA causal, for whole prompts and for a chunk after a cached context.
+effective bandwidth = K/V bytes read / time. Prefill (v1 on CUDA cores, v2 on the tensor cores, v3 on
+Hopper's wgmma; v3 falls back to v2 off sm_90) is reported in TFLOP/s against SDPA causal, for whole
+prompts and for a chunk after a cached context.
 `--peers flashinfer` adds FlashInfer's paged decode (tensor cores) and prefill wrappers reading the
 SAME pool (its "NHD" layout is pagedref's [num_blocks, block_size, num_kv_heads, head_dim]); a
 peer that does not import is skipped with a note.
@@ -16,7 +17,7 @@ work captured in a CUDA graph where possible (so Python launch overhead is not m
 enough buffer sets that the working set exceeds 3x the L2 cache; competitors of one shape are timed
 in interleaved rounds; no number is asserted, only reported.
 Usage: `python -m pagedref.bench kernel [--json [PATH]] [--variants] [--reps N] [--no-prefill]
-[--candidates NAME ...] [--peers flashinfer] [--skip-version 3] [--skip-prefill-version 2]`
+[--candidates NAME ...] [--peers flashinfer] [--skip-version 3] [--skip-prefill-version 2|3]`
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 DECODE_SHAPES = ((64, 4096), (256, 1024), (8, 32768), (32, 512), (256, 512), (1, 131072))  # (batch, context)
 # (batch, query rows, context): whole causal prompts, and a chunk of 2048 rows after 6144 cached tokens
 PREFILL_SHAPES = ((4, 2048, 2048), (1, 8192, 8192), (1, 2048, 8192), (16, 512, 512))
-PREFILL_VERSIONS = (1, 2)  # v1 on CUDA cores (the default), v2 on the tensor cores
+PREFILL_VERSIONS = (1, 2, 3)  # v1 on CUDA cores, v2 mma.sync (FA2), v3 wgmma on sm_90 (FA3; the default there)
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 ROUNDS = 3  # interleaved timing rounds per comparison (see time_rounds)
@@ -301,7 +302,7 @@ def bench_variants(reps: int, skip_version: int | None = None) -> list[dict]:
     return rows
 
 
-def bench_prefill(batch: int, query_len: int, context: int, reps: int, skip_version: int | None = None,
+def bench_prefill(batch: int, query_len: int, context: int, reps: int, skip_versions: tuple | list = (),
                   peers: dict | None = None) -> dict:
     """Causal prefill of `batch` sequences' last `query_len` rows over `context` tokens (a whole prompt
     when they are equal, else a chunk after a cached prefix): each prefill kernel version, SDPA (whole
@@ -313,7 +314,7 @@ def bench_prefill(batch: int, query_len: int, context: int, reps: int, skip_vers
     q = torch.randn(batch * query_len, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
     qsl = torch.arange(0, batch * query_len + 1, query_len, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
-    versions = [v for v in PREFILL_VERSIONS if v != skip_version]
+    versions = [v for v in PREFILL_VERSIONS if v not in skip_versions]
 
     def ours(version: int):
         paged_prefill(q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, qsl, HEAD_DIM**-0.5,
@@ -421,8 +422,9 @@ def main(argv: list[str] | None = None) -> int:
                     "kernels on the same pool (skipped with a note when they do not import)")
     ap.add_argument("--skip-version", type=int, choices=(3,), help="time no tuning of this decode kernel version "
                     "(device_check.sh passes 3 when v3 failed its self-check: a fault would end the whole run)")
-    ap.add_argument("--skip-prefill-version", type=int, choices=(2,), help="time prefill v1 only (device_check.sh "
-                    "passes 2 when prefill v2 failed its self-check)")
+    ap.add_argument("--skip-prefill-version", type=int, choices=(2, 3), action="append", default=[],
+                    help="time no prefill of this version (repeatable; device_check.sh passes 2 when prefill v2 "
+                    "failed its self-check)")
     args = ap.parse_args(argv)
     from pagedref.kernels.build import CANDIDATES
 

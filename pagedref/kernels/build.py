@@ -36,6 +36,7 @@ ELEM_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 class KernelConfig:
     file: str  # a file of cuda/
     defines: tuple[tuple[str, int], ...] = ()
+    arch: str | None = None  # a target the source needs (prefill v3: "sm_90a"); None: the device's own
 
     def options(self) -> tuple[str, ...]:
         return ("-std=c++17", f"-I{CUDA_DIR}", *(f"-D{k}={v}" for k, v in self.defines))
@@ -120,13 +121,50 @@ CANDIDATES: dict[str, DecodeTuning | MmaTuning] = {
 }
 
 
-def prefill_config(dtype: str, head_dim: int, block_size: int, version: int = 1) -> KernelConfig:
-    """Prefill v1 (CUDA cores, every shape) or v2 (tensor cores: -DPREFILL_MMA=1, mma_supported only)."""
-    if version not in (1, 2):
-        raise ValueError(f"prefill version must be 1 or 2, got {version}")
+# Prefill v3 (cuda/paged_prefill_hopper.cu): FlashAttention-3 on Hopper's own instructions (wgmma,
+# setmaxnreg: the sm_90a target), so only on compute capability 9.0, for 16-bit Q/K/V at these head
+# dims. A CTA is a producer warpgroup and two consumer warpgroups of 64 query rows each; key tiles
+# of 128 keys flow through a ring of KV stages in shared memory.
+PREFILL_V3_ARCH = "sm_90a"
+PREFILL_V3_CAPABILITY = (9, 0)
+PREFILL_V3_HEAD_DIMS = (64, 128)
+PREFILL_V3_THREADS = 384
+PREFILL_V3_ROWS = 128  # query rows per CTA
+PREFILL_V3_KEY_TILE = 128
+
+
+def prefill_v3_supported(elem_size: int, head_dim: int, capability: tuple[int, int] | None) -> bool:
+    """Whether prefill v3 runs here: 16-bit Q/K/V, head_dim 64 or 128, an sm_90 device (H100 / H200)."""
+    return elem_size == 2 and head_dim in PREFILL_V3_HEAD_DIMS and capability == PREFILL_V3_CAPABILITY
+
+
+def prefill_v3_stages(head_dim: int) -> int:
+    """KV stages of prefill v3's ring: as many as fit in 227 KB beside the query tile (2 at 128, 4 at 64)."""
+    return 2 if head_dim > 64 else 4
+
+
+def prefill_v3_shared_bytes(head_dim: int, stages: int | None = None) -> int:
+    """Dynamic shared memory of prefill v3: the query tile, `stages` K and V tiles, 1 KB of alignment
+    slack (the swizzle atoms start on 1024-byte boundaries) and two mbarriers per stage."""
+    stages = stages or prefill_v3_stages(head_dim)
+    return (PREFILL_V3_ROWS + 2 * stages * PREFILL_V3_KEY_TILE) * head_dim * 2 + 1024 + 16 * stages
+
+
+def prefill_config(dtype: str, head_dim: int, block_size: int, version: int = 1,
+                   stages: int | None = None) -> KernelConfig:
+    """Prefill v1 (CUDA cores, every shape), v2 (tensor cores: -DPREFILL_MMA=1, mma_supported only) or
+    v3 (sm_90a: PREFILL_V3_HEAD_DIMS, 16-bit; `stages` of its KV ring, None: prefill_v3_stages)."""
+    if version not in (1, 2, 3):
+        raise ValueError(f"prefill version must be 1, 2 or 3, got {version}")
     defines = (("PR_DTYPE", DTYPE_CODES[dtype]), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size))
     if version == 1:
         return KernelConfig("paged_prefill.cu", defines)
+    if version == 3:
+        if ELEM_SIZE[dtype] != 2 or head_dim not in PREFILL_V3_HEAD_DIMS:
+            raise ValueError(f"prefill v3 takes float16/bfloat16 with head_dim in {PREFILL_V3_HEAD_DIMS}, got "
+                             f"{dtype} with head_dim {head_dim}")
+        return KernelConfig("paged_prefill_hopper.cu",
+                            (*defines, ("KV_STAGES", stages or prefill_v3_stages(head_dim))), PREFILL_V3_ARCH)
     if not mma_supported(ELEM_SIZE[dtype], head_dim):
         raise ValueError(f"the tensor-core prefill kernel (v2) takes float16/bfloat16 with head_dim in "
                          f"{MMA_HEAD_DIMS}, got {dtype} with head_dim {head_dim}")
@@ -137,7 +175,7 @@ CACHE_OPS = KernelConfig("cache_ops.cu")
 
 
 def ci_configs() -> list[KernelConfig]:
-    """What CI compiles: every dtype x head_dim x block_size (and decode v3 / prefill v2 where they apply), every
+    """What CI compiles: every dtype x head_dim x block_size (and decode v3 / prefill v2 / v3 where they apply), every
     heads-per-CTA at bf16/128/16, every candidate tuning."""
     grid = itertools.product(DTYPE_CODES, SUPPORTED_HEAD_DIMS, SUPPORTED_BLOCK_SIZES)
     configs = [CACHE_OPS]
@@ -147,6 +185,8 @@ def ci_configs() -> list[KernelConfig]:
                 for head_dim in MMA_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES]
     configs += [prefill_config(dtype, head_dim, block_size, version=2) for dtype in ("float16", "bfloat16")
                 for head_dim in MMA_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES]
+    configs += [prefill_config(dtype, head_dim, block_size, version=3) for dtype in ("float16", "bfloat16")
+                for head_dim in PREFILL_V3_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES]
     configs += [decode_config("bfloat16", 128, 16, g, t) for g in (1, 2, 3, 5, 6, 7, 8)
                 for t in (DecodeTuning(), MmaTuning())]
     configs += [decode_config(dtype, 128, 16, 4, t) for dtype in ("float16", "bfloat16") for t in CANDIDATES.values()]
@@ -155,7 +195,7 @@ def ci_configs() -> list[KernelConfig]:
 
 
 def nvcc_command(config: KernelConfig, output: Path | str, arch: str = "sm_90") -> list[str]:
-    return ["nvcc", f"-arch={arch}", "--ptx", *config.options(), str(config.source), "-o", str(output)]
+    return ["nvcc", f"-arch={config.arch or arch}", "--ptx", *config.options(), str(config.source), "-o", str(output)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,7 +203,38 @@ def module(config: KernelConfig):
     """The compiled cupy.RawModule of a config (compiled on first use, then cached)."""
     import cupy
 
+    if config.arch:
+        return cupy.RawModule(path=str(_arch_cubin(config)))
     return cupy.RawModule(code=config.source.read_text() + _headers_stamp(), options=config.options())
+
+
+def _arch_cubin(config: KernelConfig) -> Path:
+    """A config with its own target, compiled by NVRTC to a cubin in CuPy's cache directory (compiled
+    once per source, options and NVRTC version) -> its path. CuPy's RawModule always appends the
+    device's own target (-arch=sm_90), which has no wgmma or setmaxnreg: sm_90a is a separate target."""
+    from cupy.cuda import nvrtc
+
+    source = config.source.read_text() + _headers_stamp()
+    options = (*config.options(), f"--gpu-architecture={config.arch}", "-ftz=true")  # -ftz as CuPy compiles
+    key = hashlib.sha256("\0".join((source, *options, str(nvrtc.getVersion()))).encode()).hexdigest()[:32]
+    cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+    path = cache / f"pagedref_{config.file.split('.')[0]}_{key}.cubin"
+    if path.exists():
+        return path
+    prog = nvrtc.createProgram(source, config.file, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC failed on {config.file} {' '.join(options)}:\n{nvrtc.getProgramLog(prog)}") from e
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(cubin)
+    os.replace(tmp, path)  # atomic: a concurrent reader sees no file or the whole file
+    return path
 
 
 @functools.lru_cache(maxsize=None)
@@ -181,15 +252,21 @@ def function(config: KernelConfig, name: str):
 
 
 def print_ci_configs() -> None:
-    """One line per CI configuration: FILE -DNAME=VALUE ... (read by .ci/compile_kernels.sh)."""
+    """One line per CI configuration: FILE [-arch=TARGET] -DNAME=VALUE ... (read by .ci/compile_kernels.sh;
+    -arch only where the config needs its own target)."""
     for cfg in ci_configs():
-        sys.stdout.write(" ".join((cfg.file, *cfg.options()[2:])) + "\n")
+        arch = (f"-arch={cfg.arch}",) if cfg.arch else ()
+        sys.stdout.write(" ".join((cfg.file, *arch, *cfg.options()[2:])) + "\n")
 
 
 def _compile(config: KernelConfig) -> None:
     """Compile one config: CuPy compiles the module and keeps the binary in its on-disk cache. (Not by
-    fetching a kernel by name: a file may name its kernels through a macro.)"""
-    module(config).compile()
+    fetching a kernel by name: a file may name its kernels through a macro.) A config with its own target
+    is only compiled (its cubin loads on that target's devices alone)."""
+    if config.arch:
+        _arch_cubin(config)
+    else:
+        module(config).compile()
 
 
 def precompile(configs: list[KernelConfig] | None = None, jobs: int | None = None) -> int:

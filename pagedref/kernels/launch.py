@@ -24,6 +24,7 @@ from pagedref.kernels.splitk import (NUM_THREADS, PREFILL_MMA_ROWS, PREFILL_ROWS
 
 _STATIC_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
+PREFILL_VERSIONS = (1, 2, 3)
 
 
 def _ptr(t: torch.Tensor) -> np.uint64:
@@ -39,7 +40,7 @@ def _external_stream(ptr: int, device: int):
 
 
 def _launch(config: build.KernelConfig, name: str, device: torch.device, grid: tuple, args: tuple,
-            shared_mem: int = 0) -> None:
+            shared_mem: int = 0, threads: int = NUM_THREADS) -> None:
     """Launch `name` of `config` on torch's current stream of `device`."""
     import cupy
 
@@ -48,7 +49,7 @@ def _launch(config: build.KernelConfig, name: str, device: torch.device, grid: t
         kernel.max_dynamic_shared_size_bytes = shared_mem
     stream = _external_stream(torch.cuda.current_stream(device).cuda_stream, device.index)
     with cupy.cuda.Device(device.index), stream:
-        kernel(grid, (NUM_THREADS,), args, shared_mem=shared_mem)
+        kernel(grid, (threads,), args, shared_mem=shared_mem)
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -130,19 +131,23 @@ def _decode_kernel(version: int, tuning, elem_size: int, head_dim: int):
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                   max_query_len: int | None = None, max_context_len: int | None = None,
-                  out: torch.Tensor | None = None, version: int = 2, check: bool = True) -> torch.Tensor:
+                  out: torch.Tensor | None = None, version: int | None = None, check: bool = True) -> torch.Tensor:
     """Prefill / chunked prefill: each sequence's query rows attend causally to its context.
 
     q [num_tokens, num_heads, head_dim]; query_start_loc [num_seqs + 1] int32; the rows of sequence
     s are its last query_len context tokens (their K/V already written) -> [num_tokens, num_heads, head_dim].
     version 1 runs on CUDA cores (every dtype and head_dim), 2 on the tensor cores (float16 /
-    bfloat16 at vLLM's head sizes, splitk.MMA_HEAD_DIMS; anything else runs version 1: a choice
-    made from the model's shapes, never from the batch).
+    bfloat16 at vLLM's head sizes, splitk.MMA_HEAD_DIMS), 3 on Hopper's wgmma (float16 / bfloat16 at
+    head_dim 64 or 128 on an sm_90 device); a version that does not apply runs the next one down, and
+    None (the default) asks for the fastest: 3 -> 2 -> 1, a choice made from the model's shapes and
+    the device, never from the batch.
     """
     shape = validate.check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
-    version = _prefill_version(version, q.element_size(), shape.head_dim)
-    validate.check_query_start_loc(query_start_loc, shape.num_seqs, q.device)
+    if version not in (None, *PREFILL_VERSIONS):
+        raise ValueError(f"prefill version must be 1, 2 or 3 (None: the fastest that applies), got {version}")
     validate.require_cuda(q, "q")
+    version = _prefill_version(version or 3, q.element_size(), shape.head_dim, _capability(q.device))
+    validate.check_query_start_loc(query_start_loc, shape.num_seqs, q.device)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if shape.num_seqs else 0
     if max_context_len is None:
@@ -156,27 +161,39 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         validate.check_out(out, q)
     if shape.num_seqs == 0 or q.shape[0] == 0:
         return out
-    rows = PREFILL_MMA_ROWS if version == 2 else PREFILL_ROWS  # query rows per CTA
+    rows = {1: PREFILL_ROWS, 2: PREFILL_MMA_ROWS, 3: build.PREFILL_V3_ROWS}[version]  # query rows per CTA
     if max_query_len > _MAX_GRID_YZ * rows:
         raise ValueError(f"max_query_len = {max_query_len} is above the {_MAX_GRID_YZ * rows} one launch covers")
     config = build.prefill_config(_dtype_name(q), shape.head_dim, shape.block_size, version)
-    if version == 2:
+    threads = NUM_THREADS
+    if version == 3:
+        smem, threads = build.prefill_v3_shared_bytes(shape.head_dim), build.PREFILL_V3_THREADS
+    elif version == 2:
         smem = prefill_mma_shared_bytes(shape.head_dim)
     else:
         smem = 4 * (PREFILL_ROWS * shape.head_dim + 32 * (shape.head_dim + 4))
     grid = (shape.num_seqs, shape.num_heads, -(-max_query_len // rows))
-    _launch(config, "paged_prefill_v2" if version == 2 else "paged_prefill", q.device, grid,
+    name = {1: "paged_prefill", 2: "paged_prefill_v2", 3: "paged_prefill_v3"}[version]
+    _launch(config, name, q.device, grid,
             (_ptr(out), _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(context_lens),
              _ptr(query_start_loc), np.int32(shape.max_blocks), np.int32(shape.num_heads),
-             np.int32(shape.num_kv_heads), np.float32(scale)), shared_mem=smem)
+             np.int32(shape.num_kv_heads), np.float32(scale)), shared_mem=smem, threads=threads)
     return out
 
 
-def _prefill_version(version: int, elem_size: int, head_dim: int) -> int:
-    """The prefill kernel to run: v2 -> v1 where the tensor-core kernel does not apply."""
-    if version not in (1, 2):
-        raise ValueError(f"prefill version must be 1 or 2, got {version}")
-    return 2 if version == 2 and mma_supported(elem_size, head_dim) else 1
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _prefill_version(version: int, elem_size: int, head_dim: int, capability: tuple[int, int] | None = None) -> int:
+    """The prefill kernel to run: v3 -> v2 where wgmma does not apply (dtype, head_dim, or a device
+    other than sm_90: `capability`, None for none known), v2 -> v1 where the tensor-core kernel does not."""
+    if version not in PREFILL_VERSIONS:
+        raise ValueError(f"prefill version must be 1, 2 or 3, got {version}")
+    if version == 3 and build.prefill_v3_supported(elem_size, head_dim, capability):
+        return 3
+    return 2 if version >= 2 and mma_supported(elem_size, head_dim) else 1
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -3,12 +3,13 @@
 One idea: memcheck and racecheck slow a program down a hundredfold, so they get one launch of each
 kernel on small sizes that still reach every code path (several partitions and a partial one, a
 partial prefill tile, GQA, each dtype, decode v1, v2 and v3 with every candidate tuning, prefill
-v1 and v2, every block size, every kind of head_dim v3 and prefill v2 take: multiples of 64, and
+v1, v2 and v3 (v3: wgmma, on sm_90 devices), every block size, every kind of head_dim v3 and prefill v2 take: multiples of 64, and
 80, 96, 112, 120, 192 with their partial pieces and padding, both pool writes) and nothing else.
 
 Invariant: exits non-zero if any result is wrong, so a clean sanitizer report over a failing run
-cannot pass for success. Usage: `python -m pagedref.kernels.selfcheck [--head-dims 112,120,192]`
-(only the attention runs at those head dims, and no pool writes: a short sanitizer pass over them).
+cannot pass for success. Usage: `python -m pagedref.kernels.selfcheck [--head-dims 112,120,192] [--only "prefill v3"]`
+(only the attention runs at those head dims / with that label, and no pool writes: a short sanitizer
+pass over them).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def run_decode(p: testing.PagedProblem, **kw) -> torch.Tensor:
     return kernels.paged_attention_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale, **kw)
 
 
-def check_attention(head_dims: set[int] | None = None) -> list[str]:
-    """Every run's error against the oracle -> its failures; `head_dims` keeps only the runs at those."""
+def check_attention(head_dims: set[int] | None = None, only: str | None = None) -> list[str]:
+    """Every run's error against the oracle -> its failures; `head_dims` keeps only the runs at those,
+    `only` the runs whose label starts with it (e.g. "prefill v3")."""
     from pagedref.kernels.build import CANDIDATES
 
     runs = []  # (label, problem, launch)
@@ -61,6 +63,14 @@ def check_attention(head_dims: set[int] | None = None) -> list[str]:
                                    block_size=block_size, dtype=dtype)
         runs += [(f"prefill v2 {dtype} head_dim={head_dim} block_size={block_size}", pre,
                   lambda p=pre: run_prefill(p, version=2))]
+    # Prefill v3 (wgmma, sm_90 only: elsewhere these run v2): head_dim 64 (4 KV stages) and 128 (2),
+    # block sizes 8, 16 and 32; 150 rows = a full 128-row CTA and one whose second consumer warpgroup
+    # has no rows; 530 and 1100 keys wrap the stage ring; 300 rows after 800 cached tokens.
+    for dtype, head_dim, block_size in ((torch.bfloat16, 128, 16), (torch.float16, 64, 8), (torch.float16, 128, 32)):
+        pre = testing.make_problem([150, 530, 7, 1100], [150, 90, 7, 300], num_heads=8, num_kv_heads=2,
+                                   head_dim=head_dim, block_size=block_size, dtype=dtype)
+        runs += [(f"prefill v3 {dtype} head_dim={head_dim} block_size={block_size}", pre,
+                  lambda p=pre: run_prefill(p, version=3))]
     # vLLM's other head sizes: v3's partial K pieces and V bands (80: 16 + 16; 96: 32; 112: 16 + 32 +
     # 16; 120: 16 + 8 and 32 + 16 + 8; 192: three whole bands at 2 CTAs/SM), prefill v2's padding to
     # 128 (120) and its query in shared memory (192); float32 on CUDA cores at 120.
@@ -76,6 +86,8 @@ def check_attention(head_dims: set[int] | None = None) -> list[str]:
                   lambda p=pre, v=v: run_prefill(p, version=v - 1))]
     if head_dims is not None:
         runs = [r for r in runs if r[1].q.shape[-1] in head_dims]
+    if only is not None:
+        runs = [r for r in runs if r[0].startswith(only)]
     failures = []
     for label, p, run in runs:
         err = testing.max_rel_err(run(), testing.oracle(p), p)
@@ -105,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pagedref.kernels.selfcheck", description=__doc__.split("\n")[0])
     ap.add_argument("--head-dims", type=lambda s: {int(x) for x in s.split(",")},
                     help="comma-separated head dims: only the attention runs at these")
+    ap.add_argument("--only", help="only the attention runs whose label starts with this (e.g. 'prefill v3')")
     args = ap.parse_args(argv)
-    failures = check_attention(args.head_dims) + (check_cache_ops() if args.head_dims is None else [])
+    failures = check_attention(args.head_dims, args.only)
+    failures += check_cache_ops() if args.head_dims is None and args.only is None else []
     torch.cuda.synchronize()
     for f in failures:
         print("FAIL", f)

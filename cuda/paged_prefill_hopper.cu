@@ -1,0 +1,398 @@
+// paged_prefill_hopper.cu: prefill v3, FlashAttention-3's design on Hopper's own instructions (sm_90a).
+//
+// Same contract and arguments as paged_prefill.cu's v1 and v2 (read that file's header first): causal;
+// sequence s's query rows are the LAST query_len tokens of its context; K/V read from the paged pool
+// [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM] through the block table; 16-bit Q/K/V, HEAD_DIM 64
+// or 128. Compiled for sm_90a only (wgmma and setmaxnreg exist nowhere else): the launcher picks this
+// kernel on compute capability 9.0 and v2 / v1 elsewhere, from the model's shapes and the device.
+//
+// What changes from v2 (FlashAttention-2, mma.sync), and why:
+//   * wgmma.mma_async: one instruction per warpgroup (4 warps) computes a 64 x N x 16 product with
+//     both operands read by the tensor cores straight from shared memory (no ldmatrix into registers)
+//     and runs asynchronously: issue, do other work, wait. S = Q K^T takes Q and K from shared memory;
+//     O += P V takes P from registers (S's accumulators packed to 16 bits: FA2's register reuse holds,
+//     the accumulator layout per warp is mma.m16n8k16's) and V from shared memory.
+//   * warp specialisation: CTA = 3 warpgroups. Warpgroup 0 is the producer: it gathers each key
+//     tile's K and V rows through the block table with 16-byte cp.async into a ring of KV_STAGES
+//     shared-memory stages and signals each stage's "full" mbarrier as the copies land
+//     (cp.async.mbarrier.arrive.noinc: no thread waits for its copies). Warpgroups 1 and 2 are the
+//     consumers, 64 query rows each (TQ = 128 per CTA): they wait on "full", compute, and arrive on
+//     the stage's "empty" mbarrier, which the producer waits on before it refills the stage. Copies
+//     of the next tiles fly while the tensor cores work on this one, and the two consumers' softmax
+//     and mma phases interleave on the SM.
+//   * setmaxnreg: the producer needs few registers and gives them back (40), the consumers take them
+//     (232): the S (64 x 128 fp32) and O (64 x HEAD_DIM fp32) accumulators stay in registers.
+// Shared memory (wgmma's canonical 128-byte-swizzled layout, the same for Q, K and V): a tile of R
+// rows of HEAD_DIM 16-bit elements is HEAD_DIM / 64 column blocks, each R rows of 128 bytes; the
+// 16-byte chunk c (0..7) of row r sits at chunk c ^ (r % 8) of its row (every 8 rows = one 1024-byte
+// swizzle atom; each block starts 1024-byte aligned). So the 8 rows an 8x8 core matrix reads spread
+// over all 32 banks, and the same bytes serve as
+//   - Q, K: K-major operands (the reduction dim, HEAD_DIM, contiguous): descriptor start = block
+//     base + 32 bytes per 16-element k-step, SBO = 1024 (8 rows to the next 8), LBO unused;
+//   - V: an MN-major operand of O += P V (B[k = key][n = dim], n contiguous; wgmma's transpose bit):
+//     start = base + 2048 bytes per 16-key k-step, SBO = 1024 (8 keys to the next 8), LBO = the
+//     column-block stride (64 dims to the next 64) = TK * 128 bytes.
+// Key tiles of TK = 128 keys start at multiples of TK of the sequence's own positions, whatever the
+// chunking; the tile loop stops at the tile of the CTA's last row, and a consumer whose rows all
+// precede a tile skips it (an exact no-op, as in v2). Keys past the context copy the context's last
+// token (never a slot no sequence owns) and are masked with every key after a row's position.
+// Bits: every row's arithmetic depends only on its position and the tile grid (the same products
+// in the same order, max and sum over the row's 4 lanes in a fixed xor order, -inf masking, the
+// same exp2 of the same fma): invariant under block placement, batch composition and chunking.
+//
+// Launch: grid (num_seqs, num_heads, ceil(max_query_len / TQ)), block 384 threads, dynamic shared
+// memory prefill_v3_shared_bytes (splitk.py): TQ + 2 * KV_STAGES * TK rows of HEAD_DIM * 2 bytes,
+// 1 KB of alignment slack and the mbarriers.
+// Compile-time parameters (-D): PR_DTYPE (1 or 2), HEAD_DIM (64 or 128), BLOCK_SIZE, KV_STAGES.
+#define PREFILL_WGMMA 1
+#include "common.cuh"
+
+#ifndef KV_STAGES
+#define KV_STAGES 2
+#endif
+static_assert(PR_DTYPE == 1 || PR_DTYPE == 2, "prefill v3 needs 16-bit Q/K/V: float16 or bfloat16");
+static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "prefill v3 takes HEAD_DIM 64 or 128");
+static_assert(KV_STAGES >= 2 && KV_STAGES <= 4, "KV_STAGES from 2 to 4");
+
+constexpr int WG = 128;                  // threads per warpgroup
+constexpr int V3_THREADS = 3 * WG;       // producer + 2 consumers (splitk.PREFILL_V3_THREADS)
+constexpr int TQ = 128;                  // query rows per CTA (splitk.PREFILL_V3_ROWS)
+constexpr int TK = 128;                  // keys per tile
+constexpr int CPR = HEAD_DIM / 8;        // 16-byte chunks per row
+constexpr int Q_BYTES = TQ * HEAD_DIM * 2;
+constexpr int TILE_BYTES = TK * HEAD_DIM * 2;  // one K or V tile
+constexpr int STAGE_BYTES = 2 * TILE_BYTES;    // K then V
+constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;  // 128 * 40 + 256 * 232 <= 65536
+static_assert(TK % BLOCK_SIZE == 0, "a key tile covers whole blocks");
+
+__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// Byte offset of 16-byte chunk c of row r in a swizzled tile of `rows` rows (see the header).
+__device__ __forceinline__ unsigned swz(int rows, int r, int c) {
+  return (unsigned)((c / 8) * rows * 128 + r * 128 + (((c % 8) ^ (r % 8)) << 4));
+}
+
+// wgmma shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format"): start address, leading
+// and stride byte offsets (all >> 4), 128-byte swizzle (layout type 1 in bits 62-63).
+__device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr, unsigned lbo, unsigned sbo) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+         ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void cp_async16_zfill(unsigned dst, const scalar_t *src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async16(unsigned dst, const scalar_t *src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void mbar_init(unsigned bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Arrive on `bar` when this thread's cp.asyncs so far have landed (counts as one expected arrival).
+__device__ __forceinline__ void mbar_arrive_on_copies(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Wait until the phase of `bar` with this parity has completed.
+__device__ __forceinline__ void mbar_wait(unsigned bar, int parity) {
+  unsigned done = 0;
+  while (!done)
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+                 "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// Keep the compiler from moving accumulator reads or writes across a wgmma boundary.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B by descriptor (K-major both); accumulate = 0: D = A B.
+__device__ __forceinline__ void wgmma_ss(float (&d)[32], unsigned long long a, unsigned long long b,
+                                         int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." PR_MMA_T "." PR_MMA_T " {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20,"
+      "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], A from registers (per warp: mma.m16n8k16's A fragment of rows
+// 16 * warp ..), B by descriptor, MN-major (transposed: N contiguous in shared memory).
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." PR_MMA_T "." PR_MMA_T " {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20,"
+      "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(accumulate));
+}
+
+// D[64 x 128] (+)= A[64 x 16] B[16 x 128], A and B by descriptor (K-major both); accumulate = 0: D = A B.
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], unsigned long long a, unsigned long long b,
+                                         int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." PR_MMA_T "." PR_MMA_T " {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20,"
+      "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39,"
+      "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58,"
+      "%59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// D[64 x 128] (+)= A[64 x 16] B[16 x 128], A from registers (per warp: mma.m16n8k16's A fragment of rows
+// 16 * warp ..), B by descriptor, MN-major (transposed: N contiguous in shared memory).
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." PR_MMA_T "." PR_MMA_T " {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20,"
+      "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39,"
+      "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58,"
+      "%59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(accumulate));
+}
+
+// A consumer warpgroup: 64 query rows (CTA rows 64 * cw ..); warp w of it owns rows 16 w .. 16 w + 15,
+// this lane rows grp and grp + 8 (the accumulator layout of wgmma, mma.m16n8k16's per warp:
+// element 4 j + e of S or O is row grp + 8 (e / 2), column 8 j + 2 tig + e % 2).
+__device__ __forceinline__ void consume(scalar_t *__restrict__ out, int q0, int qlen, int row0, int first_pos, int h,
+                                        long long q_row_stride, unsigned q_s, unsigned kv_s, unsigned full,
+                                        unsigned empty, int num_tiles, float scale, int ctid) {
+  const int cw = ctid / WG, warp = ctid / 32 % 4, lane = ctid % 32, grp = lane / 4, tig = lane % 4;
+  const int wg_row0 = row0 + 64 * cw;
+  const bool active = wg_row0 < qlen;  // else the consumer only releases stages
+  const int wg_first = first_pos + wg_row0, wg_last = first_pos + min(wg_row0 + 63, qlen - 1);
+  const int wrow0 = wg_row0 + 16 * warp;
+  // This lane's rows' positions (rows past the chunk borrow the last row's, and are never written).
+  const int pos_lo = first_pos + min(wrow0 + grp, qlen - 1), pos_hi = first_pos + min(wrow0 + grp + 8, qlen - 1);
+  const float scale_log2 = scale * LOG2E;
+  const unsigned q_wg = q_s + cw * 64 * 128;  // this consumer's rows in Q's first column block
+
+  float o[HEAD_DIM / 2];
+#pragma unroll
+  for (int i = 0; i < HEAD_DIM / 2; ++i) o[i] = 0.f;
+  float m_lo = neg_inf(), m_hi = neg_inf(), l_lo = 0.f, l_hi = 0.f;  // running max (raw score units), exp-sums
+
+  for (int t = 0; t < num_tiles; ++t) {
+    const int stage = t % KV_STAGES;
+    mbar_wait(full + 8 * stage, (t / KV_STAGES) & 1);
+    if (active && t * TK <= wg_last) {  // else every key of the tile follows every row: an exact no-op
+      // The stage was written by cp.async (the generic proxy); the tensor cores read it through the async proxy.
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      const unsigned k_s = kv_s + stage * STAGE_BYTES, v_s = k_s + TILE_BYTES;
+
+      // S = Q K^T over HEAD_DIM / 16 k-steps of 32 bytes (4 per 128-byte column block).
+      float sc[TK / 2];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+        wgmma_ss(sc, wgmma_desc(q_wg + (kk / 4) * TQ * 128 + (kk % 4) * 32, 16, 1024),
+                 wgmma_desc(k_s + (kk / 4) * TK * 128 + (kk % 4) * 32, 16, 1024), kk > 0);
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_regs(sc);
+
+      // Causal mask, only on tiles that reach past the consumer's first row (elsewhere it changes nothing).
+      if (t * TK + TK - 1 > wg_first) {
+#pragma unroll
+        for (int j = 0; j < TK / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (t * TK + 8 * j + 2 * tig + e % 2 > (e < 2 ? pos_lo : pos_hi)) sc[4 * j + e] = neg_inf();
+      }
+      // Online softmax in log2 units: p = 2^(s * scale_log2 - m * scale_log2), one fma and one ex2.
+      float mx_lo = m_lo, mx_hi = m_hi;
+#pragma unroll
+      for (int j = 0; j < TK / 8; ++j) {
+        mx_lo = fmaxf(mx_lo, fmaxf(sc[4 * j], sc[4 * j + 1]));
+        mx_hi = fmaxf(mx_hi, fmaxf(sc[4 * j + 2], sc[4 * j + 3]));
+      }
+#pragma unroll
+      for (int off = 1; off < 4; off *= 2) {  // over the row's 4 lanes
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(PR_FULL_MASK, mx_lo, off));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(PR_FULL_MASK, mx_hi, off));
+      }
+      // Finite: tile 0 holds key 0, which every row sees; later tiles start from a finite m.
+      const float corr_lo = exp2_approx((m_lo - mx_lo) * scale_log2), corr_hi = exp2_approx((m_hi - mx_hi) * scale_log2);
+      m_lo = mx_lo;
+      m_hi = mx_hi;
+      const float ms_lo = mx_lo * scale_log2, ms_hi = mx_hi * scale_log2;
+      l_lo *= corr_lo;
+      l_hi *= corr_hi;
+#pragma unroll
+      for (int j = 0; j < TK / 8; ++j) {
+        sc[4 * j] = exp2_approx(fmaf(sc[4 * j], scale_log2, -ms_lo));
+        sc[4 * j + 1] = exp2_approx(fmaf(sc[4 * j + 1], scale_log2, -ms_lo));
+        sc[4 * j + 2] = exp2_approx(fmaf(sc[4 * j + 2], scale_log2, -ms_hi));
+        sc[4 * j + 3] = exp2_approx(fmaf(sc[4 * j + 3], scale_log2, -ms_hi));
+        l_lo += sc[4 * j] + sc[4 * j + 1];
+        l_hi += sc[4 * j + 2] + sc[4 * j + 3];
+      }
+#pragma unroll
+      for (int n = 0; n < HEAD_DIM / 8; ++n) {
+        o[4 * n] *= corr_lo;
+        o[4 * n + 1] *= corr_lo;
+        o[4 * n + 2] *= corr_hi;
+        o[4 * n + 3] *= corr_hi;
+      }
+
+      // O += P V over TK / 16 k-steps of 16 keys; P's A fragment = S's accumulators of keys 16 kk .. + 15.
+      unsigned pf[TK / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < TK / 16; ++kk) {
+        pf[kk][0] = pack2(sc[8 * kk], sc[8 * kk + 1]);
+        pf[kk][1] = pack2(sc[8 * kk + 2], sc[8 * kk + 3]);
+        pf[kk][2] = pack2(sc[8 * kk + 4], sc[8 * kk + 5]);
+        pf[kk][3] = pack2(sc[8 * kk + 6], sc[8 * kk + 7]);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < TK / 16; ++kk)
+        wgmma_rs(o, pf[kk][0], pf[kk][1], pf[kk][2], pf[kk][3], wgmma_desc(v_s + kk * 2048, TK * 128, 1024), 1);
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_regs(o);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + 8 * stage);  // this warp's mmas no longer read the stage
+  }
+  if (!active) return;
+
+  // Each lane added its own keys; add over the row's 4 lanes, then write this lane's two rows.
+#pragma unroll
+  for (int off = 1; off < 4; off *= 2) {
+    l_lo += __shfl_xor_sync(PR_FULL_MASK, l_lo, off);
+    l_hi += __shfl_xor_sync(PR_FULL_MASK, l_hi, off);
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = wrow0 + grp + 8 * half;
+    if (row >= qlen) continue;
+    const float l = half ? l_hi : l_lo;
+    unsigned *dst = reinterpret_cast<unsigned *>(out + (long long)(q0 + row) * q_row_stride + h * HEAD_DIM + 2 * tig);
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) dst[4 * n] = pack2(o[4 * n + 2 * half] / l, o[4 * n + 2 * half + 1] / l);
+  }
+}
+
+// The producer warpgroup: the CTA's query rows (zeros past the chunk) with tile 0, then each key
+// tile t into stage t % KV_STAGES once the consumers released it; each thread's copies arrive on
+// the stage's "full" barrier as they land.
+__device__ __forceinline__ void produce(unsigned q_s, unsigned kv_s, unsigned full, unsigned empty,
+                                       const scalar_t *__restrict__ qh, long long q_row_stride, int row0, int qlen,
+                                       const scalar_t *__restrict__ k_cache, const scalar_t *__restrict__ v_cache,
+                                       const int *__restrict__ bt, int ctx, int row_stride, int kv_off,
+                                       int num_tiles, int tid) {
+  constexpr int ROWS_PER_PASS = WG / CPR;  // rows one pass of the warpgroup copies (16 chunks each at 128)
+  const int c = tid % CPR, r_first = tid / CPR;
+  for (int r = r_first; r < TQ; r += ROWS_PER_PASS) {
+    const bool real = row0 + r < qlen;
+    cp_async16_zfill(q_s + swz(TQ, r, c), qh + (long long)(real ? row0 + r : 0) * q_row_stride + c * 8,
+                     real ? 16 : 0);
+  }
+  for (int t = 0; t < num_tiles; ++t) {
+    const int stage = t % KV_STAGES;
+    if (t >= KV_STAGES) mbar_wait(empty + 8 * stage, (t / KV_STAGES - 1) & 1);  // tile t - KV_STAGES done
+    const unsigned k_s = kv_s + stage * STAGE_BYTES, v_s = k_s + TILE_BYTES;
+#pragma unroll 4
+    for (int r = r_first; r < TK; r += ROWS_PER_PASS) {
+      const int tok = min(t * TK + r, ctx - 1);
+      const long long off = ((long long)bt[tok / BLOCK_SIZE] * BLOCK_SIZE + tok % BLOCK_SIZE) * row_stride +
+                            kv_off + c * 8;
+      cp_async16(k_s + swz(TK, r, c), k_cache + off);
+      cp_async16(v_s + swz(TK, r, c), v_cache + off);
+    }
+    mbar_arrive_on_copies(full + 8 * stage);
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // nothing in flight when the thread leaves
+}
+
+// v1's arguments, shape for shape. Launch: see the header.
+extern "C" __global__ void __launch_bounds__(V3_THREADS, 1) paged_prefill_v3(
+    scalar_t *__restrict__ out, const scalar_t *__restrict__ q,
+    const scalar_t *__restrict__ k_cache, const scalar_t *__restrict__ v_cache,
+    const int *__restrict__ block_tables, const int *__restrict__ context_lens,
+    const int *__restrict__ query_start_loc, int max_blocks, int num_heads, int num_kv_heads, float scale) {
+  extern __shared__ unsigned char smem_v3[];
+  // 1024-byte aligned base (the swizzle atoms): Q [TQ rows], then KV_STAGES x (K, V) [TK rows], then
+  // the mbarriers: full[KV_STAGES], empty[KV_STAGES], 8 bytes each.
+  const unsigned base = (smem_u32(smem_v3) + 1023u) & ~1023u;
+  const unsigned q_s = base, kv_s = base + Q_BYTES;
+  const unsigned full = kv_s + KV_STAGES * STAGE_BYTES, empty = full + 8 * KV_STAGES;
+
+  // Query tiles in reverse launch order: the last tiles of a sequence see the most keys, so they start first.
+  const int s = blockIdx.x, h = blockIdx.y, row0 = (gridDim.z - 1 - blockIdx.z) * TQ;
+  const int q0 = query_start_loc[s], qlen = query_start_loc[s + 1] - q0;
+  if (row0 >= qlen) return;  // the whole CTA leaves together, before any barrier
+  const int ctx = context_lens[s];
+  const int first_pos = ctx - qlen;
+  const int kv_head = h / (num_heads / num_kv_heads);
+  const long long q_row_stride = (long long)num_heads * HEAD_DIM;
+  const scalar_t *qh = q + (long long)q0 * q_row_stride + h * HEAD_DIM;
+  const int num_tiles = (first_pos + min(row0 + TQ, qlen) - 1) / TK + 1;  // through the CTA's last row
+  const int tid = threadIdx.x, wg = tid / WG;
+
+  if (tid == 0) {
+    for (int i = 0; i < KV_STAGES; ++i) {
+      mbar_init(full + 8 * i, WG);  // one arrival per producer thread (its copies landed)
+      mbar_init(empty + 8 * i, 8);  // one arrival per consumer warp (its mmas read the stage)
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
+    produce(q_s, kv_s, full, empty, qh, q_row_stride, row0, qlen, k_cache, v_cache,
+            block_tables + (long long)s * max_blocks, ctx, num_kv_heads * HEAD_DIM, kv_head * HEAD_DIM, num_tiles,
+            tid);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
+    consume(out, q0, qlen, row0, first_pos, h, q_row_stride, q_s, kv_s, full, empty, num_tiles, scale, tid - WG);
+  }
+}
