@@ -154,8 +154,9 @@ class DecodeGraphs:
         with self.backend.unchecked():
             for ctx in reversed(self.buckets):
                 for bs in reversed(self.sizes):
-                    self.forward(bs, ctx)  # warm-up outside the graph: kernels loaded, allocator primed
-                    torch.cuda.synchronize()
+                    if ctx == self.buckets[-1]:  # warm-up outside the graph: kernels loaded, allocator primed
+                        self.forward(bs, ctx)  # (once per size: the shorter bucket launches a subset of them)
+                        torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
                         out = self.forward(bs, ctx)  # [bs, hidden], in the graph's pool
