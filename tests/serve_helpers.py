@@ -64,9 +64,11 @@ class LiveServer:
 class ServerProcess:
     """`python -m pagedref.serve ARGS --host 127.0.0.1 --port 0` as a subprocess; `url` once it is ready."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, new_session: bool = False) -> None:
+        """new_session: in a process group of its own (the engine's process joins it), for signals to the group."""
         self.proc = subprocess.Popen([sys.executable, "-m", "pagedref.serve", *args, "--host", HOST, "--port", "0"],
-                                     cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=new_session)
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.log: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()

@@ -5,6 +5,7 @@ pool free, the engine's process gone) with exit status 0. Also the `pagedref` co
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 
@@ -46,9 +47,13 @@ def test_console_script_dispatches_to_the_modules(capsys):
         assert flag in out  # the server takes generate's engine flags
 
 
-def test_sigterm_ends_the_streams_frees_the_pool_and_exits_0(tmp_path):
+@pytest.mark.parametrize("to_group", [False, True], ids=["to the server", "to its process group"])
+def test_sigterm_ends_the_streams_frees_the_pool_and_exits_0(tmp_path, to_group):
+    """Sent to the whole group (systemd, `timeout`), the signal reaches the engine's process too: it ignores it
+    and is stopped by the server in order, so the streams still end with "abort" and the pool is free."""
     model = random_model_dir("tiny", tmp_path, "cpu", log=lambda msg: None)
-    server = ServerProcess("--model", str(model), "--device", "cpu", "--served-model-name", "tiny", "--shutdown-timeout", "2")
+    server = ServerProcess("--model", str(model), "--device", "cpu", "--served-model-name", "tiny", "--shutdown-timeout", "2",
+                           new_session=to_group)
     try:
         ends: list[tuple[str, str]] = []
         started = threading.Barrier(4)
@@ -66,7 +71,10 @@ def test_sigterm_ends_the_streams_frees_the_pool_and_exits_0(tmp_path):
         for t in clients:
             t.start()
         started.wait(30)
-        server.proc.send_signal(signal.SIGTERM)
+        if to_group:
+            os.killpg(server.proc.pid, signal.SIGTERM)
+        else:
+            server.proc.send_signal(signal.SIGTERM)
         late = httpx.post(f"{server.url}/v1/completions", json={"prompt": "t5"}, timeout=30)  # within the 2 s grace
         assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
         assert server.proc.wait(timeout=15) == 0

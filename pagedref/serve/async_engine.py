@@ -180,17 +180,14 @@ class AsyncLLM:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Make sure the engine process is gone: it exits by itself after "shutdown" (or at the end of its
-        command pipe, closed here); terminated, then killed, if it does not within `timeout` seconds."""
+        command pipe, closed here); killed if it does not within `timeout` seconds (it ignores SIGTERM)."""
         for conn in (self._commands, self._outputs):
             conn.close()
         self.process.join(timeout)
         if self.process.is_alive():
-            log.warning("the engine process did not exit within %.0f s: terminating it", timeout)
-            self.process.terminate()
-            self.process.join(5)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join()
+            log.warning("the engine process did not exit within %.0f s: killing it", timeout)
+            self.process.kill()
+            self.process.join()
 
     def _detach(self) -> None:
         if self._loop is not None and not self._outputs.closed:

@@ -24,7 +24,8 @@ busy for a moment does not stall the engine) and the pickling overlaps the step'
 
 Invariant: every request added is answered, by deltas ending in a finished one, a "rejected", or the
 "dead" that stopped the core; after "stopped" (or "dead") nothing of any request is left in the engine.
-The core never outlives the frontend: the command pipe's end of file (the frontend died) ends it.
+The core never outlives the frontend: the command pipe's end of file (the frontend died) ends it. It
+ignores SIGINT and SIGTERM (a signal to the process group reaches it too): the frontend stops it.
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ class RequestDelta:
 
 def run_engine_core(llm_kwargs: dict[str, Any], commands, outputs, log_level: int = logging.INFO) -> None:
     """The process' entry point: load the engine, say "ready" (or "failed"), then serve commands and step."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the frontend decides
+    # A Ctrl-C, or a SIGTERM sent to the whole process group (systemd, `timeout`), reaches this process too: the
+    # frontend decides, and stops this one in order ("shutdown") after its in-flight requests had their chance.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     core = EngineCore(commands, outputs, own_process=True)  # reads commands from now on: a dead frontend ends loading
     try:
