@@ -111,13 +111,13 @@ class AsyncLLM:
         from pagedref.models import load_tokenizer
 
         ctx = multiprocessing.get_context("spawn")  # torch / CUDA start fresh in the child, never forked
-        self._commands, child_commands = ctx.Pipe(duplex=False)[::-1]
-        child_outputs, self._outputs = ctx.Pipe(duplex=False)[::-1]
-        self.process = ctx.Process(target=core, args=(llm_kwargs, child_commands, child_outputs, log_level),
+        core_commands, self._commands = ctx.Pipe(duplex=False)  # (reader, writer): server -> core
+        self._outputs, core_outputs = ctx.Pipe(duplex=False)  # core -> server
+        self.process = ctx.Process(target=core, args=(llm_kwargs, core_commands, core_outputs, log_level),
                                    name="pagedref-engine-core")
         self.process.start()
-        child_commands.close()  # ours are the other ends: the child's exit then reads as end of file here
-        child_outputs.close()
+        core_commands.close()  # the child's now: closed here, so that its exit reads as the pipe's end here
+        core_outputs.close()
         self.metrics = metrics
         self.accepting = True  # False once shutdown begins: new requests get EngineShuttingDown
         self.error: BaseException | None = None  # what stopped the engine, if anything did
@@ -125,7 +125,7 @@ class AsyncLLM:
         self.final_stats: dict[str, Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._requests: dict[str, RequestState] = {}
-        self._pending: dict[int, asyncio.Future] = {}  # stats reads and the shutdown, by token
+        self._pending: dict[int | str, asyncio.Future] = {}  # stats reads by token, and "stopped"
         self._tokens = itertools.count()
         try:
             self.facts = self._wait_ready(start_timeout)
