@@ -113,7 +113,8 @@ class DecodeGraphs:
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_context_len = min(max_model_len, max_seq_len_to_capture)
         k_cache = kv_caches[0][0]  # [num_blocks, block_size, Hkv, head_dim] in the model's dtype
-        self.buckets = buckets or context_buckets(self.max_context_len, decode_partition_size(k_cache.dtype, k_cache.shape[-1]))
+        partition = decode_partition_size(k_cache.dtype, k_cache.shape[-1])
+        self.buckets = buckets or context_buckets(self.max_context_len, partition)
         if max(self.buckets) != self.max_context_len:
             raise ValueError(f"the longest context bucket must be the captured context, {self.max_context_len}")
         device = kv_caches[0][0].device
