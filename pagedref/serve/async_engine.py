@@ -41,6 +41,8 @@ from pagedref.serve.metrics import ServerMetrics
 
 log = logging.getLogger("pagedref.serve")
 
+MAX_MESSAGES_PER_WAKEUP = 16  # an engine stepping faster than the loop writes cannot keep the loop from writing
+
 
 class EngineStartError(RuntimeError):
     """The engine process could not load the engine (a bad flag or model): `kind` names the error's type."""
@@ -252,8 +254,10 @@ class AsyncLLM:
     # --- the core's messages (on the loop) ------------------------------------------------------------
     def _on_readable(self) -> None:
         try:
-            while self._outputs.poll():
+            for _ in range(MAX_MESSAGES_PER_WAKEUP):  # then the streams' writers run: the loop calls again if more came
                 self._handle(self._outputs.recv())
+                if not self._outputs.poll():
+                    break
         except (EOFError, OSError):
             self._detach()
             if self.final_stats is None:  # not after "stopped": then the end of the pipe is the core's clean exit
