@@ -15,6 +15,7 @@ from helpers import REPO_ROOT, model_path, read_reference
 from pagedref.kernels import gpu_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU and cupy")]
+pytest.importorskip("prometheus_client", reason="the server needs the serve extra (pip install -e '.[serve]')")
 
 MODEL = "tiny-llama3-hd64"
 
