@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import queue
+import signal
 import threading
 from collections import deque
 from dataclasses import dataclass
