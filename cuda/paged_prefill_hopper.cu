@@ -16,18 +16,12 @@
 //     tile's K and V rows through the block table with 16-byte cp.async into a ring of KV_STAGES
 //     shared-memory stages and signals each stage's "full" mbarrier as the copies land
 //     (cp.async.mbarrier.arrive.noinc: no thread waits for its copies). Warpgroups 1 and 2 are the
-//     consumers, 64 query rows each (TQ = 128 per work item): they wait on "full", compute, and arrive
-//     on the stage's "empty" mbarrier, which the producer waits on before it refills the stage.
-//   * a persistent grid: one CTA per SM walks work items (128 query rows of one sequence and head,
-//     the most keys first) grid-stride; the ring runs on across items, and the next item's query
-//     rows load (mbarriers q_full / q_empty) while the consumers finish the current one, so a CTA's
-//     start-up (launch, barrier set-up, first loads) is paid once per SM, not once per 128 rows.
-//   * FA3's intra-warpgroup overlap: per tile t a consumer issues S_t = Q K_t^T and O += P_{t-1} V_{t-1}
-//     together, waits for S_t alone and runs the softmax of tile t while the P V mma still runs.
-//   * ping-pong: the two consumers take turns issuing their mmas (named barriers 1 and 2), so one's
-//     softmax (exp2 on the multi-function unit) overlaps the other's mmas on the tensor cores.
+//     consumers, 64 query rows each (TQ = 128 per CTA): they wait on "full", compute, and arrive on
+//     the stage's "empty" mbarrier, which the producer waits on before it refills the stage. Copies
+//     of the next tiles fly while the tensor cores work on this one, and the two consumers' softmax
+//     and mma phases interleave on the SM.
 //   * setmaxnreg: the producer needs few registers and gives them back (40), the consumers take them
-//     (232): the S (64 x 128 fp32), P and O (64 x HEAD_DIM fp32) fragments stay in registers.
+//     (232): the S (64 x 128 fp32) and O (64 x HEAD_DIM fp32) accumulators stay in registers.
 // Shared memory (wgmma's canonical 128-byte-swizzled layout, the same for Q, K and V): a tile of R
 // rows of HEAD_DIM 16-bit elements is HEAD_DIM / 64 column blocks, each R rows of 128 bytes; the
 // 16-byte chunk c (0..7) of row r sits at chunk c ^ (r % 8) of its row (every 8 rows = one 1024-byte
@@ -39,24 +33,27 @@
 //     start = base + 2048 bytes per 16-key k-step, SBO = 1024 (8 keys to the next 8), LBO = the
 //     column-block stride (64 dims to the next 64) = TK * 128 bytes.
 // Key tiles of TK = 128 keys start at multiples of TK of the sequence's own positions, whatever the
-// chunking; an item's tile loop stops at the tile of its last row, and a consumer whose rows all
+// chunking; the tile loop stops at the tile of the CTA's last row, and a consumer whose rows all
 // precede a tile skips it (an exact no-op, as in v2). Keys past the context copy the context's last
 // token (never a slot no sequence owns) and are masked with every key after a row's position.
 // Bits: every row's arithmetic depends only on its position and the tile grid (the same products
 // in the same order, max and sum over the row's 4 lanes in a fixed xor order, -inf masking, the
 // same exp2 of the same fma): invariant under block placement, batch composition and chunking.
+// Measured on an H200 (bf16, 32 / 8 heads, 4 x 2048 .. 1 x 8192): 360-490 TFLOP/s, 1.6-2x v2, 74-88% of
+// FlashInfer's FA3 on the same pool (docs/benchmarks.md). Tried and not kept (commit fb77e6b, in the
+// history): a persistent grid, FA3's intra-warpgroup overlap of softmax with P V, and ping-pong between
+// the consumers; faster on many short sequences (16 x 512: 154 us against 182), 2-13% slower on the
+// long ones. What is left is named in the stage 5 lesson.
 //
-// Launch: grid (min(work items, SMs)), block 384 threads, dynamic shared memory prefill_v3_shared_bytes
-// (build.py): TQ + 2 * KV_STAGES * TK rows of HEAD_DIM * 2 bytes, 1 KB of alignment slack and the mbarriers.
-// Compile-time parameters (-D): PR_DTYPE (1 or 2), HEAD_DIM (64 or 128), BLOCK_SIZE, KV_STAGES, PINGPONG (0/1).
+// Launch: grid (num_seqs, num_heads, ceil(max_query_len / TQ)), block 384 threads, dynamic shared
+// memory prefill_v3_shared_bytes (build.py): TQ + 2 * KV_STAGES * TK rows of HEAD_DIM * 2 bytes,
+// 1 KB of alignment slack and the mbarriers.
+// Compile-time parameters (-D): PR_DTYPE (1 or 2), HEAD_DIM (64 or 128), BLOCK_SIZE, KV_STAGES.
 #define PREFILL_WGMMA 1
 #include "common.cuh"
 
 #ifndef KV_STAGES
-#define KV_STAGES 3
-#endif
-#ifndef PINGPONG
-#define PINGPONG 1  // the consumers take turns issuing their mmas (0: each issues when ready)
+#define KV_STAGES 3  // build.prefill_v3_stages: 3 at HEAD_DIM 128 (227 KB of shared memory), 4 at 64
 #endif
 static_assert(PR_DTYPE == 1 || PR_DTYPE == 2, "prefill v3 needs 16-bit Q/K/V: float16 or bfloat16");
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "prefill v3 takes HEAD_DIM 64 or 128");
@@ -64,7 +61,7 @@ static_assert(KV_STAGES >= 2 && KV_STAGES <= 4, "KV_STAGES from 2 to 4");
 
 constexpr int WG = 128;                  // threads per warpgroup
 constexpr int V3_THREADS = 3 * WG;       // producer + 2 consumers (build.PREFILL_V3_THREADS)
-constexpr int TQ = 128;                  // query rows per work item (build.PREFILL_V3_ROWS)
+constexpr int TQ = 128;                  // query rows per CTA (build.PREFILL_V3_ROWS)
 constexpr int TK = 128;                  // keys per tile
 constexpr int CPR = HEAD_DIM / 8;        // 16-byte chunks per row
 constexpr int Q_BYTES = TQ * HEAD_DIM * 2;
@@ -205,335 +202,202 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], unsigned a0, unsigned a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(accumulate));
 }
 
-__device__ __forceinline__ void wgmma_wait_but_one() {  // all committed groups but the newest are done
-  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-}
+// A consumer warpgroup: 64 query rows (CTA rows 64 * cw ..); warp w of it owns rows 16 w .. 16 w + 15,
+// this lane rows grp and grp + 8 (the accumulator layout of wgmma, mma.m16n8k16's per warp:
+// element 4 j + e of S or O is row grp + 8 (e / 2), column 8 j + 2 tig + e % 2).
+__device__ __forceinline__ void consume(scalar_t *__restrict__ out, int q0, int qlen, int row0, int first_pos, int h,
+                                        long long q_row_stride, unsigned q_s, unsigned kv_s, unsigned full,
+                                        unsigned empty, int num_tiles, float scale, int ctid) {
+  const int cw = ctid / WG, warp = ctid / 32 % 4, lane = ctid % 32, grp = lane / 4, tig = lane % 4;
+  const int wg_row0 = row0 + 64 * cw;
+  const bool active = wg_row0 < qlen;  // else the consumer only releases stages
+  const int wg_first = first_pos + wg_row0, wg_last = first_pos + min(wg_row0 + 63, qlen - 1);
+  const int wrow0 = wg_row0 + 16 * warp;
+  // This lane's rows' positions (rows past the chunk borrow the last row's, and are never written).
+  const int pos_lo = first_pos + min(wrow0 + grp, qlen - 1), pos_hi = first_pos + min(wrow0 + grp + 8, qlen - 1);
+  const float scale_log2 = scale * LOG2E;
+  const unsigned q_wg = q_s + cw * 64 * 128;  // this consumer's rows in Q's first column block
 
-// Named barriers 1 and 2 (0 is __syncthreads) order the two consumers' mma issue: ping-pong.
-template <int ID>
-__device__ __forceinline__ void named_sync() { asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "n"(2 * WG) : "memory"); }
-template <int ID>
-__device__ __forceinline__ void named_arrive() { asm volatile("bar.arrive %0, %1;\n" ::"n"(ID), "n"(2 * WG) : "memory"); }
+  float o[HEAD_DIM / 2];
+#pragma unroll
+  for (int i = 0; i < HEAD_DIM / 2; ++i) o[i] = 0.f;
+  float m_lo = neg_inf(), m_hi = neg_inf(), l_lo = 0.f, l_hi = 0.f;  // running max (raw score units), exp-sums
 
-// Turns of the two consumers (ping-pong): consumer cw waits for named barrier 1 + cw, issues its mmas,
-// then hands the turn over on the other's barrier.
-__device__ __forceinline__ void turn_begin(int cw) {
-  if (!PINGPONG) return;
-  if (cw == 0) named_sync<1>();
-  else named_sync<2>();
-}
-__device__ __forceinline__ void turn_end(int cw) {
-  if (!PINGPONG) return;
-  if (cw == 0) named_arrive<2>();
-  else named_arrive<1>();
-}
+  for (int t = 0; t < num_tiles; ++t) {
+    const int stage = t % KV_STAGES;
+    mbar_wait(full + 8 * stage, (t / KV_STAGES) & 1);
+    if (active && t * TK <= wg_last) {  // else every key of the tile follows every row: an exact no-op
+      // The stage was written by cp.async (the generic proxy); the tensor cores read it through the async proxy.
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      const unsigned k_s = kv_s + stage * STAGE_BYTES, v_s = k_s + TILE_BYTES;
 
-// One arrival per warp on `bar` (the consumers' barriers count warps).
-__device__ __forceinline__ void release(unsigned bar, int lane) {
-  __syncwarp();
-  if (lane == 0) mbar_arrive(bar);
-}
+      // S = Q K^T over HEAD_DIM / 16 k-steps of 32 bytes (4 per 128-byte column block).
+      float sc[TK / 2];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+        wgmma_ss(sc, wgmma_desc(q_wg + (kk / 4) * TQ * 128 + (kk % 4) * 32, 16, 1024),
+                 wgmma_desc(k_s + (kk / 4) * TK * 128 + (kk % 4) * 32, 16, 1024), kk > 0);
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_regs(sc);
 
-// One work item: query rows row0 .. row0 + TQ - 1 of sequence s's chunk, head h.
-struct Item {
-  int s, h, row0, q0, qlen, ctx, first_pos, num_tiles;
-};
-
-// Item i of the launch (0 = the most keys first: query tiles in reverse order, then heads, then
-// sequences) -> false if there is no such item or its rows are past the sequence's chunk (no work,
-// no barrier).
-__device__ __forceinline__ bool item_at(int i, int num_seqs, int num_heads, int num_q_tiles, const int *query_start_loc,
-                                        const int *context_lens, Item &it) {
-  const int per_tile = num_seqs * num_heads, zi = i / per_tile, rem = i % per_tile;
-  if (zi >= num_q_tiles) return false;
-  it.h = rem / num_seqs;
-  it.s = rem % num_seqs;
-  it.row0 = (num_q_tiles - 1 - zi) * TQ;
-  it.q0 = query_start_loc[it.s];
-  it.qlen = query_start_loc[it.s + 1] - it.q0;
-  if (it.row0 >= it.qlen) return false;
-  it.ctx = context_lens[it.s];
-  it.first_pos = it.ctx - it.qlen;
-  it.num_tiles = (it.first_pos + min(it.row0 + TQ, it.qlen) - 1) / TK + 1;  // through the item's last row
-  return true;
-}
-
-// The CTA's shared memory, as 32-bit shared addresses (see the kernel).
-struct Smem {
-  unsigned q, kv, full, empty, q_full, q_empty;
-};
-
-// The producer warpgroup: for each item, its key tiles into the ring (tile g of the CTA, counted
-// over all its items, into stage g % KV_STAGES once the consumers released it; each thread's copies
-// arrive on the stage's "full" barrier as they land), and the item's query rows (zeros past the chunk)
-// right after its first tile, once the consumers are done reading the previous item's.
-__device__ __forceinline__ void produce(const Smem &sm, const scalar_t *__restrict__ q,
-                                       const scalar_t *__restrict__ k_cache, const scalar_t *__restrict__ v_cache,
-                                       const int *__restrict__ block_tables, const int *__restrict__ context_lens,
-                                       const int *__restrict__ query_start_loc, int max_blocks, int num_heads,
-                                       int num_kv_heads, int num_seqs, int num_q_tiles, int tid) {
-  constexpr int ROWS_PER_PASS = WG / CPR;  // rows one pass of the warpgroup copies
-  const int c = tid % CPR, r_first = tid / CPR;
-  const int row_stride = num_kv_heads * HEAD_DIM;
-  const long long q_row_stride = (long long)num_heads * HEAD_DIM;
-  int g = 0, n = 0;  // the CTA's tiles and items so far
-  for (int i = blockIdx.x; i < num_seqs * num_heads * num_q_tiles; i += gridDim.x) {
-    Item it;
-    if (!item_at(i, num_seqs, num_heads, num_q_tiles, query_start_loc, context_lens, it)) continue;
-    const int *bt = block_tables + (long long)it.s * max_blocks;
-    const int kv_off = it.h / (num_heads / num_kv_heads) * HEAD_DIM;
-    for (int t = 0; t < it.num_tiles; ++t, ++g) {
-      const int stage = g % KV_STAGES;
-      if (g >= KV_STAGES) mbar_wait(sm.empty + 8 * stage, (g / KV_STAGES - 1) & 1);  // tile g - KV_STAGES done
-      const unsigned k_s = sm.kv + stage * STAGE_BYTES, v_s = k_s + TILE_BYTES;
-#pragma unroll 4
-      for (int r = r_first; r < TK; r += ROWS_PER_PASS) {
-        const int tok = min(t * TK + r, it.ctx - 1);
-        const long long off = ((long long)bt[tok / BLOCK_SIZE] * BLOCK_SIZE + tok % BLOCK_SIZE) * row_stride +
-                              kv_off + c * 8;
-        cp_async16(k_s + swz(TK, r, c), k_cache + off);
-        cp_async16(v_s + swz(TK, r, c), v_cache + off);
+      // Causal mask, only on tiles that reach past the consumer's first row (elsewhere it changes nothing).
+      if (t * TK + TK - 1 > wg_first) {
+#pragma unroll
+        for (int j = 0; j < TK / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (t * TK + 8 * j + 2 * tig + e % 2 > (e < 2 ? pos_lo : pos_hi)) sc[4 * j + e] = neg_inf();
       }
-      mbar_arrive_on_copies(sm.full + 8 * stage);
-      if (t == 0) {
-        if (n > 0) mbar_wait(sm.q_empty, (n - 1) & 1);  // the previous item's S = Q K^T all done
-        const scalar_t *qh = q + (long long)it.q0 * q_row_stride + it.h * HEAD_DIM;
-        for (int r = r_first; r < TQ; r += ROWS_PER_PASS) {
-          const bool real = it.row0 + r < it.qlen;
-          cp_async16_zfill(sm.q + swz(TQ, r, c), qh + (long long)(real ? it.row0 + r : 0) * q_row_stride + c * 8,
-                           real ? 16 : 0);
-        }
-        mbar_arrive_on_copies(sm.q_full);
+      // Online softmax in log2 units: p = 2^(s * scale_log2 - m * scale_log2), one fma and one ex2.
+      float mx_lo = m_lo, mx_hi = m_hi;
+#pragma unroll
+      for (int j = 0; j < TK / 8; ++j) {
+        mx_lo = fmaxf(mx_lo, fmaxf(sc[4 * j], sc[4 * j + 1]));
+        mx_hi = fmaxf(mx_hi, fmaxf(sc[4 * j + 2], sc[4 * j + 3]));
       }
+#pragma unroll
+      for (int off = 1; off < 4; off *= 2) {  // over the row's 4 lanes
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(PR_FULL_MASK, mx_lo, off));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(PR_FULL_MASK, mx_hi, off));
+      }
+      // Finite: tile 0 holds key 0, which every row sees; later tiles start from a finite m.
+      const float corr_lo = exp2_approx((m_lo - mx_lo) * scale_log2), corr_hi = exp2_approx((m_hi - mx_hi) * scale_log2);
+      m_lo = mx_lo;
+      m_hi = mx_hi;
+      const float ms_lo = mx_lo * scale_log2, ms_hi = mx_hi * scale_log2;
+      l_lo *= corr_lo;
+      l_hi *= corr_hi;
+#pragma unroll
+      for (int j = 0; j < TK / 8; ++j) {
+        sc[4 * j] = exp2_approx(fmaf(sc[4 * j], scale_log2, -ms_lo));
+        sc[4 * j + 1] = exp2_approx(fmaf(sc[4 * j + 1], scale_log2, -ms_lo));
+        sc[4 * j + 2] = exp2_approx(fmaf(sc[4 * j + 2], scale_log2, -ms_hi));
+        sc[4 * j + 3] = exp2_approx(fmaf(sc[4 * j + 3], scale_log2, -ms_hi));
+        l_lo += sc[4 * j] + sc[4 * j + 1];
+        l_hi += sc[4 * j + 2] + sc[4 * j + 3];
+      }
+#pragma unroll
+      for (int n = 0; n < HEAD_DIM / 8; ++n) {
+        o[4 * n] *= corr_lo;
+        o[4 * n + 1] *= corr_lo;
+        o[4 * n + 2] *= corr_hi;
+        o[4 * n + 3] *= corr_hi;
+      }
+
+      // O += P V over TK / 16 k-steps of 16 keys; P's A fragment = S's accumulators of keys 16 kk .. + 15.
+      unsigned pf[TK / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < TK / 16; ++kk) {
+        pf[kk][0] = pack2(sc[8 * kk], sc[8 * kk + 1]);
+        pf[kk][1] = pack2(sc[8 * kk + 2], sc[8 * kk + 3]);
+        pf[kk][2] = pack2(sc[8 * kk + 4], sc[8 * kk + 5]);
+        pf[kk][3] = pack2(sc[8 * kk + 6], sc[8 * kk + 7]);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < TK / 16; ++kk)
+        wgmma_rs(o, pf[kk][0], pf[kk][1], pf[kk][2], pf[kk][3], wgmma_desc(v_s + kk * 2048, TK * 128, 1024), 1);
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_regs(o);
     }
-    ++n;
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + 8 * stage);  // this warp's mmas no longer read the stage
+  }
+  if (!active) return;
+
+  // Each lane added its own keys; add over the row's 4 lanes, then write this lane's two rows.
+#pragma unroll
+  for (int off = 1; off < 4; off *= 2) {
+    l_lo += __shfl_xor_sync(PR_FULL_MASK, l_lo, off);
+    l_hi += __shfl_xor_sync(PR_FULL_MASK, l_hi, off);
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = wrow0 + grp + 8 * half;
+    if (row >= qlen) continue;
+    const float l = half ? l_hi : l_lo;
+    unsigned *dst = reinterpret_cast<unsigned *>(out + (long long)(q0 + row) * q_row_stride + h * HEAD_DIM + 2 * tig);
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) dst[4 * n] = pack2(o[4 * n + 2 * half] / l, o[4 * n + 2 * half + 1] / l);
+  }
+}
+
+// The producer warpgroup: the CTA's query rows (zeros past the chunk) with tile 0, then each key
+// tile t into stage t % KV_STAGES once the consumers released it; each thread's copies arrive on
+// the stage's "full" barrier as they land.
+__device__ __forceinline__ void produce(unsigned q_s, unsigned kv_s, unsigned full, unsigned empty,
+                                       const scalar_t *__restrict__ qh, long long q_row_stride, int row0, int qlen,
+                                       const scalar_t *__restrict__ k_cache, const scalar_t *__restrict__ v_cache,
+                                       const int *__restrict__ bt, int ctx, int row_stride, int kv_off,
+                                       int num_tiles, int tid) {
+  constexpr int ROWS_PER_PASS = WG / CPR;  // rows one pass of the warpgroup copies (16 chunks each at 128)
+  const int c = tid % CPR, r_first = tid / CPR;
+  for (int r = r_first; r < TQ; r += ROWS_PER_PASS) {
+    const bool real = row0 + r < qlen;
+    cp_async16_zfill(q_s + swz(TQ, r, c), qh + (long long)(real ? row0 + r : 0) * q_row_stride + c * 8,
+                     real ? 16 : 0);
+  }
+  for (int t = 0; t < num_tiles; ++t) {
+    const int stage = t % KV_STAGES;
+    if (t >= KV_STAGES) mbar_wait(empty + 8 * stage, (t / KV_STAGES - 1) & 1);  // tile t - KV_STAGES done
+    const unsigned k_s = kv_s + stage * STAGE_BYTES, v_s = k_s + TILE_BYTES;
+#pragma unroll 4
+    for (int r = r_first; r < TK; r += ROWS_PER_PASS) {
+      const int tok = min(t * TK + r, ctx - 1);
+      const long long off = ((long long)bt[tok / BLOCK_SIZE] * BLOCK_SIZE + tok % BLOCK_SIZE) * row_stride +
+                            kv_off + c * 8;
+      cp_async16(k_s + swz(TK, r, c), k_cache + off);
+      cp_async16(v_s + swz(TK, r, c), v_cache + off);
+    }
+    mbar_arrive_on_copies(full + 8 * stage);
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");  // nothing in flight when the thread leaves
 }
 
-// Causal mask and online softmax of one tile's scores, in place: sc becomes P (fp32), the running
-// max m (raw score units) and per-lane exp-sum l move on, corr = 2^((m_old - m_new) * scale_log2).
-// Key 8 j + 2 tig + e % 2 of the tile, row lo (e < 2) or hi.
-__device__ __forceinline__ void softmax_tile(float (&sc)[TK / 2], int key0, bool masked, int pos_lo, int pos_hi, int tig,
-                                             float scale_log2, float &m_lo, float &m_hi, float &l_lo, float &l_hi,
-                                             float &corr_lo, float &corr_hi) {
-  if (masked) {
-#pragma unroll
-    for (int j = 0; j < TK / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (key0 + 8 * j + 2 * tig + e % 2 > (e < 2 ? pos_lo : pos_hi)) sc[4 * j + e] = neg_inf();
-  }
-  float mx_lo = m_lo, mx_hi = m_hi;
-#pragma unroll
-  for (int j = 0; j < TK / 8; ++j) {
-    mx_lo = fmaxf(mx_lo, fmaxf(sc[4 * j], sc[4 * j + 1]));
-    mx_hi = fmaxf(mx_hi, fmaxf(sc[4 * j + 2], sc[4 * j + 3]));
-  }
-#pragma unroll
-  for (int off = 1; off < 4; off *= 2) {  // over the row's 4 lanes
-    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(PR_FULL_MASK, mx_lo, off));
-    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(PR_FULL_MASK, mx_hi, off));
-  }
-  // Finite: a row's first tile holds key 0, which it sees; later tiles start from a finite m.
-  corr_lo = exp2_approx((m_lo - mx_lo) * scale_log2);  // 0 on the first tile (m = -inf), 1 if unchanged
-  corr_hi = exp2_approx((m_hi - mx_hi) * scale_log2);
-  m_lo = mx_lo;
-  m_hi = mx_hi;
-  const float ms_lo = mx_lo * scale_log2, ms_hi = mx_hi * scale_log2;
-  l_lo *= corr_lo;
-  l_hi *= corr_hi;
-#pragma unroll
-  for (int j = 0; j < TK / 8; ++j) {
-    sc[4 * j] = exp2_approx(fmaf(sc[4 * j], scale_log2, -ms_lo));
-    sc[4 * j + 1] = exp2_approx(fmaf(sc[4 * j + 1], scale_log2, -ms_lo));
-    sc[4 * j + 2] = exp2_approx(fmaf(sc[4 * j + 2], scale_log2, -ms_hi));
-    sc[4 * j + 3] = exp2_approx(fmaf(sc[4 * j + 3], scale_log2, -ms_hi));
-    l_lo += sc[4 * j] + sc[4 * j + 1];
-    l_hi += sc[4 * j + 2] + sc[4 * j + 3];
-  }
-}
-
-// P (fp32, S's accumulator layout) -> the A fragments of O += P V, one per 16-key k-step.
-__device__ __forceinline__ void pack_p(unsigned (&pf)[TK / 16][4], const float (&sc)[TK / 2]) {
-#pragma unroll
-  for (int kk = 0; kk < TK / 16; ++kk) {
-    pf[kk][0] = pack2(sc[8 * kk], sc[8 * kk + 1]);
-    pf[kk][1] = pack2(sc[8 * kk + 2], sc[8 * kk + 3]);
-    pf[kk][2] = pack2(sc[8 * kk + 4], sc[8 * kk + 5]);
-    pf[kk][3] = pack2(sc[8 * kk + 6], sc[8 * kk + 7]);
-  }
-}
-
-__device__ __forceinline__ void issue_s(float (&sc)[TK / 2], unsigned q_wg, unsigned k_s) {
-#pragma unroll
-  for (int kk = 0; kk < HEAD_DIM / 16; ++kk)  // 32 bytes per k-step, 4 per 128-byte column block
-    wgmma_ss(sc, wgmma_desc(q_wg + (kk / 4) * TQ * 128 + (kk % 4) * 32, 16, 1024),
-             wgmma_desc(k_s + (kk / 4) * TK * 128 + (kk % 4) * 32, 16, 1024), kk > 0);
-  wgmma_commit();
-}
-
-__device__ __forceinline__ void issue_pv(float (&o)[HEAD_DIM / 2], const unsigned (&pf)[TK / 16][4], unsigned v_s) {
-#pragma unroll
-  for (int kk = 0; kk < TK / 16; ++kk)  // 16 keys = two 8-key core-matrix rows of 1024 bytes
-    wgmma_rs(o, pf[kk][0], pf[kk][1], pf[kk][2], pf[kk][3], wgmma_desc(v_s + kk * 2048, TK * 128, 1024), 1);
-  wgmma_commit();
-}
-
-// A consumer warpgroup: 64 query rows of each item (rows 64 * cw ..); warp w of it owns rows 16 w ..
-// 16 w + 15, this lane rows grp and grp + 8 (the accumulator layout of wgmma, mma.m16n8k16's per
-// warp: element 4 j + e of S or O is row grp + 8 (e / 2), column 8 j + 2 tig + e % 2).
-// Per tile t of its rows (FA3's intra-warpgroup overlap): issue S_t = Q K_t^T and O += P_{t-1} V_{t-1}
-// together, wait for S_t alone, softmax S_t while the P V mma runs, then wait for it, rescale O by
-// corr_t and pack P_t. Per row this is the same sequence as O = O * corr_t + P_t V_t tile after tile,
-// so the bits do not change. The two consumers take turns issuing their mmas (named barriers 1, 2):
-// one's softmax runs while the other's mmas occupy the tensor cores.
-__device__ __forceinline__ void consume(const Smem &sm, scalar_t *__restrict__ out, const int *__restrict__ context_lens,
-                                        const int *__restrict__ query_start_loc, int num_heads, int num_seqs,
-                                        int num_q_tiles, float scale, int ctid) {
-  // Warp-uniform as the compiler sees it (a shuffle from lane 0): the branches around the wgmmas must
-  // not look divergent, or ptxas serialises every wgmma (its warning C7520).
-  const int cw = __shfl_sync(PR_FULL_MASK, ctid / WG, 0), warp = __shfl_sync(PR_FULL_MASK, ctid / 32 % 4, 0);
-  const int lane = ctid % 32, grp = lane / 4, tig = lane % 4;
-  const float scale_log2 = scale * LOG2E;
-  const long long q_row_stride = (long long)num_heads * HEAD_DIM;
-  const unsigned q_wg = sm.q + cw * 64 * 128;  // this consumer's rows in Q's first column block
-  if (PINGPONG && cw == 1) named_arrive<1>();  // consumer 0 issues first
-  int g = 0, n = 0;  // the CTA's tiles and items so far
-  for (int i = blockIdx.x; i < num_seqs * num_heads * num_q_tiles; i += gridDim.x) {
-    Item it;
-    if (!item_at(i, num_seqs, num_heads, num_q_tiles, query_start_loc, context_lens, it)) continue;
-    const int wg_row0 = it.row0 + 64 * cw, wrow0 = wg_row0 + 16 * warp;
-    // Tiles 0 .. last hold keys this consumer's rows see (none if its rows are past the chunk).
-    const int last = wg_row0 < it.qlen ? (it.first_pos + min(wg_row0 + 63, it.qlen - 1)) / TK : -1;
-    const int wg_first = it.first_pos + wg_row0;
-    // This lane's rows' positions (rows past the chunk borrow the last row's, and are never written).
-    const int pos_lo = it.first_pos + min(wrow0 + grp, it.qlen - 1);
-    const int pos_hi = it.first_pos + min(wrow0 + grp + 8, it.qlen - 1);
-    mbar_wait(sm.q_full, n & 1);
-    float o[HEAD_DIM / 2];
-#pragma unroll
-    for (int e = 0; e < HEAD_DIM / 2; ++e) o[e] = 0.f;
-    float m_lo = neg_inf(), m_hi = neg_inf(), l_lo = 0.f, l_hi = 0.f, corr_lo, corr_hi;
-    unsigned pf[TK / 16][4];
-    if (last >= 0) {
-      // Tile 0: S_0 alone (O is still zero).
-      {
-        const int stage = g % KV_STAGES;
-        mbar_wait(sm.full + 8 * stage, (g / KV_STAGES) & 1);
-        turn_begin(cw);
-        // The stage was written by cp.async (the generic proxy); the tensor cores read it through the async proxy.
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        float sc[TK / 2];
-        wgmma_fence();
-        issue_s(sc, q_wg, sm.kv + stage * STAGE_BYTES);
-        turn_end(cw);
-        wgmma_wait_all();
-        fence_regs(sc);
-        if (last == 0) release(sm.q_empty, lane);  // Q is no longer read: the producer may load the next item's
-        softmax_tile(sc, 0, TK - 1 > wg_first, pos_lo, pos_hi, tig, scale_log2, m_lo, m_hi, l_lo, l_hi, corr_lo,
-                     corr_hi);
-        pack_p(pf, sc);
-      }
-      for (int t = 1; t <= last; ++t) {
-        const int stage = (g + t) % KV_STAGES, prev = (g + t - 1) % KV_STAGES;
-        mbar_wait(sm.full + 8 * stage, ((g + t) / KV_STAGES) & 1);
-        turn_begin(cw);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        float sc[TK / 2];
-        wgmma_fence();
-        issue_s(sc, q_wg, sm.kv + stage * STAGE_BYTES);
-        issue_pv(o, pf, sm.kv + prev * STAGE_BYTES + TILE_BYTES);
-        turn_end(cw);
-        wgmma_wait_but_one();  // S_t; P_{t-1} V_{t-1} may still run
-        fence_regs(sc);
-        if (t == last) release(sm.q_empty, lane);
-        softmax_tile(sc, t * TK, t * TK + TK - 1 > wg_first, pos_lo, pos_hi, tig, scale_log2, m_lo, m_hi, l_lo, l_hi,
-                     corr_lo, corr_hi);
-        wgmma_wait_all();
-        fence_regs(o);
-        release(sm.empty + 8 * prev, lane);  // tile t - 1 fully read
-#pragma unroll
-        for (int e = 0; e < HEAD_DIM / 2; ++e) o[e] *= e % 4 < 2 ? corr_lo : corr_hi;
-        pack_p(pf, sc);
-      }
-      // The last P V.
-      const int stage = (g + last) % KV_STAGES;
-      wgmma_fence();
-      issue_pv(o, pf, sm.kv + stage * STAGE_BYTES + TILE_BYTES);
-      wgmma_wait_all();
-      fence_regs(o);
-      release(sm.empty + 8 * stage, lane);
-    } else {
-      release(sm.q_empty, lane);  // no rows here: Q is not read
-    }
-    for (int t = last + 1; t < it.num_tiles; ++t) {  // tiles after every row of this consumer: take turns, release
-      const int stage = (g + t) % KV_STAGES;
-      mbar_wait(sm.full + 8 * stage, ((g + t) / KV_STAGES) & 1);
-      turn_begin(cw);
-      turn_end(cw);
-      release(sm.empty + 8 * stage, lane);
-    }
-    g += it.num_tiles;
-    ++n;
-    if (last < 0) continue;
-
-    // Each lane added its own keys; add over the row's 4 lanes, then write this lane's two rows.
-#pragma unroll
-    for (int off = 1; off < 4; off *= 2) {
-      l_lo += __shfl_xor_sync(PR_FULL_MASK, l_lo, off);
-      l_hi += __shfl_xor_sync(PR_FULL_MASK, l_hi, off);
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = wrow0 + grp + 8 * half;
-      if (row >= it.qlen) continue;
-      const float l = half ? l_hi : l_lo;
-      unsigned *dst = reinterpret_cast<unsigned *>(out + (long long)(it.q0 + row) * q_row_stride + it.h * HEAD_DIM +
-                                                   2 * tig);
-#pragma unroll
-      for (int d = 0; d < HEAD_DIM / 8; ++d) dst[4 * d] = pack2(o[4 * d + 2 * half] / l, o[4 * d + 2 * half + 1] / l);
-    }
-  }
-  if (PINGPONG && cw == 0) named_sync<1>();  // the last turn consumer 1 handed over
-}
-
-// v1's arguments, shape for shape, then num_seqs and num_q_tiles = ceil(max_query_len / TQ): the
-// work items are num_seqs * num_heads * num_q_tiles; a persistent grid of at most one CTA per SM
-// takes items blockIdx.x, + gridDim.x, ... (Launch: see the header.)
+// v1's arguments, shape for shape. Launch: see the header.
 extern "C" __global__ void __launch_bounds__(V3_THREADS, 1) paged_prefill_v3(
     scalar_t *__restrict__ out, const scalar_t *__restrict__ q,
     const scalar_t *__restrict__ k_cache, const scalar_t *__restrict__ v_cache,
     const int *__restrict__ block_tables, const int *__restrict__ context_lens,
-    const int *__restrict__ query_start_loc, int max_blocks, int num_heads, int num_kv_heads, float scale,
-    int num_seqs, int num_q_tiles) {
+    const int *__restrict__ query_start_loc, int max_blocks, int num_heads, int num_kv_heads, float scale) {
   extern __shared__ unsigned char smem_v3[];
   // 1024-byte aligned base (the swizzle atoms): Q [TQ rows], then KV_STAGES x (K, V) [TK rows], then
-  // the mbarriers: full[KV_STAGES], empty[KV_STAGES], q_full, q_empty, 8 bytes each.
-  Smem sm;
-  sm.q = (smem_u32(smem_v3) + 1023u) & ~1023u;
-  sm.kv = sm.q + Q_BYTES;
-  sm.full = sm.kv + KV_STAGES * STAGE_BYTES;
-  sm.empty = sm.full + 8 * KV_STAGES;
-  sm.q_full = sm.empty + 8 * KV_STAGES;
-  sm.q_empty = sm.q_full + 8;
-  const int tid = threadIdx.x;
+  // the mbarriers: full[KV_STAGES], empty[KV_STAGES], 8 bytes each.
+  const unsigned base = (smem_u32(smem_v3) + 1023u) & ~1023u;
+  const unsigned q_s = base, kv_s = base + Q_BYTES;
+  const unsigned full = kv_s + KV_STAGES * STAGE_BYTES, empty = full + 8 * KV_STAGES;
+
+  // Query tiles in reverse launch order: the last tiles of a sequence see the most keys, so they start first.
+  const int s = blockIdx.x, h = blockIdx.y, row0 = (gridDim.z - 1 - blockIdx.z) * TQ;
+  const int q0 = query_start_loc[s], qlen = query_start_loc[s + 1] - q0;
+  if (row0 >= qlen) return;  // the whole CTA leaves together, before any barrier
+  const int ctx = context_lens[s];
+  const int first_pos = ctx - qlen;
+  const int kv_head = h / (num_heads / num_kv_heads);
+  const long long q_row_stride = (long long)num_heads * HEAD_DIM;
+  const scalar_t *qh = q + (long long)q0 * q_row_stride + h * HEAD_DIM;
+  const int num_tiles = (first_pos + min(row0 + TQ, qlen) - 1) / TK + 1;  // through the CTA's last row
+  const int tid = threadIdx.x, wg = tid / WG;
+
   if (tid == 0) {
     for (int i = 0; i < KV_STAGES; ++i) {
-      mbar_init(sm.full + 8 * i, WG);  // one arrival per producer thread (its copies landed)
-      mbar_init(sm.empty + 8 * i, 8);  // one arrival per consumer warp (its mmas read the stage)
+      mbar_init(full + 8 * i, WG);  // one arrival per producer thread (its copies landed)
+      mbar_init(empty + 8 * i, 8);  // one arrival per consumer warp (its mmas read the stage)
     }
-    mbar_init(sm.q_full, WG);
-    mbar_init(sm.q_empty, 8);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  if (tid < WG) {
+
+  if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
-    produce(sm, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, max_blocks, num_heads, num_kv_heads,
-            num_seqs, num_q_tiles, tid);
+    produce(q_s, kv_s, full, empty, qh, q_row_stride, row0, qlen, k_cache, v_cache,
+            block_tables + (long long)s * max_blocks, ctx, num_kv_heads * HEAD_DIM, kv_head * HEAD_DIM, num_tiles,
+            tid);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
-    consume(sm, out, context_lens, query_start_loc, num_heads, num_seqs, num_q_tiles, scale, tid - WG);
+    consume(out, q0, qlen, row0, first_pos, h, q_row_stride, q_s, kv_s, full, empty, num_tiles, scale, tid - WG);
   }
 }

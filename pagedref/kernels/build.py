@@ -123,9 +123,8 @@ CANDIDATES: dict[str, DecodeTuning | MmaTuning] = {
 
 # Prefill v3 (cuda/paged_prefill_hopper.cu): FlashAttention-3 on Hopper's own instructions (wgmma,
 # setmaxnreg: the sm_90a target), so only on compute capability 9.0, for 16-bit Q/K/V at these head
-# dims. A persistent CTA (one per SM) is a producer warpgroup and two consumer warpgroups of 64 query
-# rows each, taking work items of 128 query rows; key tiles of 128 keys flow through a ring of KV
-# stages in shared memory.
+# dims. A CTA is a producer warpgroup and two consumer warpgroups of 64 query rows each; key tiles
+# of 128 keys flow through a ring of KV stages in shared memory.
 PREFILL_V3_ARCH = "sm_90a"
 PREFILL_V3_CAPABILITY = (9, 0)
 PREFILL_V3_HEAD_DIMS = (64, 128)
@@ -147,17 +146,16 @@ def prefill_v3_stages(head_dim: int) -> int:
 
 def prefill_v3_shared_bytes(head_dim: int, stages: int | None = None) -> int:
     """Dynamic shared memory of prefill v3: the query tile, `stages` K and V tiles, 1 KB of alignment
-    slack (the swizzle atoms start on 1024-byte boundaries), two mbarriers per stage and two for Q."""
+    slack (the swizzle atoms start on 1024-byte boundaries) and two mbarriers per stage."""
     stages = stages or prefill_v3_stages(head_dim)
-    return (PREFILL_V3_ROWS + 2 * stages * PREFILL_V3_KEY_TILE) * head_dim * 2 + 1024 + 16 * stages + 16
+    return (PREFILL_V3_ROWS + 2 * stages * PREFILL_V3_KEY_TILE) * head_dim * 2 + 1024 + 16 * stages
 
 
 def prefill_config(dtype: str, head_dim: int, block_size: int, version: int = 1,
-                   stages: int | None = None, pingpong: bool = True) -> KernelConfig:
+                   stages: int | None = None) -> KernelConfig:
     """Prefill v1 (CUDA cores, every shape), v2 (tensor cores: -DPREFILL_MMA=1, mma_supported only) or
-    v3 (sm_90a: PREFILL_V3_HEAD_DIMS, 16-bit; `stages` of its KV ring, None: prefill_v3_stages;
-    `pingpong`: its consumers take turns issuing mmas). stages and pingpong change the schedule only,
-    never the arithmetic: every v3 config gives the same bits."""
+    v3 (sm_90a: PREFILL_V3_HEAD_DIMS, 16-bit; `stages` of its KV ring, None: prefill_v3_stages). The
+    stages change the schedule only, never the arithmetic: every v3 config gives the same bits."""
     if version not in (1, 2, 3):
         raise ValueError(f"prefill version must be 1, 2 or 3, got {version}")
     defines = (("PR_DTYPE", DTYPE_CODES[dtype]), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size))
@@ -167,8 +165,8 @@ def prefill_config(dtype: str, head_dim: int, block_size: int, version: int = 1,
         if ELEM_SIZE[dtype] != 2 or head_dim not in PREFILL_V3_HEAD_DIMS:
             raise ValueError(f"prefill v3 takes float16/bfloat16 with head_dim in {PREFILL_V3_HEAD_DIMS}, got "
                              f"{dtype} with head_dim {head_dim}")
-        return KernelConfig("paged_prefill_hopper.cu", (*defines, ("KV_STAGES", stages or prefill_v3_stages(head_dim)),
-                                                        ("PINGPONG", int(pingpong))), PREFILL_V3_ARCH)
+        return KernelConfig("paged_prefill_hopper.cu",
+                            (*defines, ("KV_STAGES", stages or prefill_v3_stages(head_dim))), PREFILL_V3_ARCH)
     if not mma_supported(ELEM_SIZE[dtype], head_dim):
         raise ValueError(f"the tensor-core prefill kernel (v2) takes float16/bfloat16 with head_dim in "
                          f"{MMA_HEAD_DIMS}, got {dtype} with head_dim {head_dim}")

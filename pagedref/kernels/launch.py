@@ -161,32 +161,24 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         validate.check_out(out, q)
     if shape.num_seqs == 0 or q.shape[0] == 0:
         return out
-    rows = {1: PREFILL_ROWS, 2: PREFILL_MMA_ROWS, 3: build.PREFILL_V3_ROWS}[version]  # query rows per CTA (item)
-    q_tiles = -(-max_query_len // rows)
-    if version < 3 and q_tiles > _MAX_GRID_YZ:
+    rows = {1: PREFILL_ROWS, 2: PREFILL_MMA_ROWS, 3: build.PREFILL_V3_ROWS}[version]  # query rows per CTA
+    if max_query_len > _MAX_GRID_YZ * rows:
         raise ValueError(f"max_query_len = {max_query_len} is above the {_MAX_GRID_YZ * rows} one launch covers")
     config = build.prefill_config(_dtype_name(q), shape.head_dim, shape.block_size, version)
-    args = (_ptr(out), _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(context_lens),
-            _ptr(query_start_loc), np.int32(shape.max_blocks), np.int32(shape.num_heads),
-            np.int32(shape.num_kv_heads), np.float32(scale))
-    if version == 3:  # persistent: one CTA per SM at most, each taking every grid-th work item
-        items = shape.num_seqs * shape.num_heads * q_tiles
-        _launch(config, "paged_prefill_v3", q.device, (min(items, _num_sms(q.device)),),
-                (*args, np.int32(shape.num_seqs), np.int32(q_tiles)),
-                shared_mem=build.prefill_v3_shared_bytes(shape.head_dim), threads=build.PREFILL_V3_THREADS)
-        return out
-    if version == 2:
+    threads = NUM_THREADS
+    if version == 3:
+        smem, threads = build.prefill_v3_shared_bytes(shape.head_dim), build.PREFILL_V3_THREADS
+    elif version == 2:
         smem = prefill_mma_shared_bytes(shape.head_dim)
     else:
         smem = 4 * (PREFILL_ROWS * shape.head_dim + 32 * (shape.head_dim + 4))
-    _launch(config, "paged_prefill_v2" if version == 2 else "paged_prefill", q.device,
-            (shape.num_seqs, shape.num_heads, q_tiles), args, shared_mem=smem)
+    grid = (shape.num_seqs, shape.num_heads, -(-max_query_len // rows))
+    name = {1: "paged_prefill", 2: "paged_prefill_v2", 3: "paged_prefill_v3"}[version]
+    _launch(config, name, q.device, grid,
+            (_ptr(out), _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(context_lens),
+             _ptr(query_start_loc), np.int32(shape.max_blocks), np.int32(shape.num_heads),
+             np.int32(shape.num_kv_heads), np.float32(scale)), shared_mem=smem, threads=threads)
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)
