@@ -519,7 +519,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 SERVE_RESULTS = RESULTS / "serve-2026-11-30-1000.json"
 LATENCY_RESULTS = RESULTS / "latency-llama-3.1-8b-2026-11-30-poisson-seed1.json"
 KERNEL_RESULTS = RESULTS / "kernel-2026-11-30.json"
-ONLINE_RESULTS = RESULTS / "online-llama-3.1-8b-2026-12-01.json"
+ONLINE_RESULTS = RESULTS / "online-llama-3.1-8b-2026-12-01-process.json"
 
 
 def _from_results(bench, results: Path, out: Path, name: str) -> list[Path]:
