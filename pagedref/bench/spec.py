@@ -128,6 +128,8 @@ def run_one(model_dir: Path, spec: dict[str, Any] | None, prompts: list[list[int
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         if produced != output_len * len(prompts):
             raise RuntimeError(f"generated {produced} tokens, {output_len * len(prompts)} were asked for")
+        if not llm.llm_engine.block_manager.all_free():  # every rolled-back draft slot and finished block returned
+            raise RuntimeError("blocks are still held after every request finished")
         stats = llm.get_stats()
         return {"elapsed_s": elapsed, "output_tokens": produced, "output_tokens_per_s": produced / elapsed,
                 "steps": stats["num_steps"], "acceptance_rate": stats["spec_acceptance_rate"],
