@@ -39,8 +39,8 @@
 // Bits: every row's arithmetic depends only on its position and the tile grid (the same products
 // in the same order, max and sum over the row's 4 lanes in a fixed xor order, -inf masking, the
 // same exp2 of the same fma): invariant under block placement, batch composition and chunking.
-// Measured on an H200 (bf16, 32 / 8 heads, 4 x 2048 .. 1 x 8192): 360-490 TFLOP/s, 1.6-2x v2, 74-88% of
-// FlashInfer's FA3 on the same pool (docs/benchmarks.md). Tried and not kept (commit fb77e6b, in the
+// Measured on an H200 (bf16, 32 / 8 heads, head_dim 128): 370-492 TFLOP/s on long prompts, 1.3-2.1x
+// v2, 75-92% of FlashInfer's FA3 on the same pool (docs/benchmarks.md). Tried and not kept (commit fb77e6b, in the
 // history): a persistent grid, FA3's intra-warpgroup overlap of softmax with P V, and ping-pong between
 // the consumers; faster on many short sequences (16 x 512: 154 us against 182), 2-13% slower on the
 // long ones. What is left is named in the stage 5 lesson.
