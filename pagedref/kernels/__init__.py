@@ -3,7 +3,8 @@
 One idea: the same paged KV pool the CPU reference reads through block tables is read on the GPU by
 hand-written kernels (`cuda/*.cu`): decode attention with split-K partitions (flash-decoding;
 version 3 on the tensor cores), prefill attention for variable-length query chunks (version 2
-on the tensor cores), and the two pool writes (reshape_and_cache, copy_blocks).
+on the tensor cores; version 3 on Hopper's wgmma, the default on sm_90), and the two pool writes
+(reshape_and_cache, copy_blocks).
 
 Invariant (the CUDA half of the numerics contract): a sequence's output is bit-identical whatever
 physical blocks hold its K/V and whatever else is in the batch; against the float64 oracle it is
