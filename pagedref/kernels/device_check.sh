@@ -40,12 +40,13 @@ timeout "${SELFCHECK_TIMEOUT:-60}" python3 -m pagedref.kernels.selfcheck >"$OUT/
 rc=$?
 summary+=("selfcheck (no sanitizer): $(tail -n 1 "$OUT/selfcheck.log") (rc=$rc, $((SECONDS - t0)) s)")
 skip=""
-# A failing kernel leaves out its own rows: prefill v2 failures skip prefill v2, decode failures
-# skip v3 (as before), and a self-check that died without its summary line skips both.
+# A failing kernel leaves out its own rows: prefill v2 / v3 failures skip that prefill version, decode
+# failures skip decode v3 (as before), and a self-check that died without its summary line skips all.
 log="$OUT/selfcheck.log"
 if [ $rc -ne 0 ]; then
   if grep -q "^FAIL decode" "$log" || ! grep -q "^selfcheck:" "$log"; then skip="--skip-version 3"; fi
   if grep -q "^FAIL prefill v2" "$log" || ! grep -q "^selfcheck:" "$log"; then skip="$skip --skip-prefill-version 2"; fi
+  if grep -q "^FAIL prefill v3" "$log" || ! grep -q "^selfcheck:" "$log"; then skip="$skip --skip-prefill-version 3"; fi
 fi
 
 t0=$SECONDS
