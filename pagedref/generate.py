@@ -98,12 +98,17 @@ def check_engine_ranges(parser: argparse.ArgumentParser, args: argparse.Namespac
     positive = {"--block-size": args.block_size, "--max-model-len": args.max_model_len, "--max-num-seqs": args.max_num_seqs,
                 "--max-num-batched-tokens": args.max_num_batched_tokens,
                 "--tensor-parallel-size": args.tensor_parallel_size, "--num-kv-blocks": args.num_kv_blocks}
-    for flag, value in positive.items():
-        if value is not None and value < 1:
-            parser.error(f"{flag} must be >= 1, got {value}")
+    require_positive(parser, positive)
     if not 0 < args.gpu_memory_utilization <= 1:
         parser.error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     args.speculative_config = parse_speculative_config(parser, args.speculative_config)
+
+
+def require_positive(parser: argparse.ArgumentParser, values: dict[str, int | None]) -> None:
+    """Each flag given (not None) is at least 1, or its usage error names it."""
+    for flag, value in values.items():
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
 
 
 def parse_speculative_config(parser: argparse.ArgumentParser, text: str | dict | None) -> dict[str, Any] | None:
@@ -135,9 +140,7 @@ def engine_kwargs(args: argparse.Namespace, model_dir: Path, device: str) -> dic
 def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Flag values the engine would refuse, refused here with the flag's own name."""
     check_engine_ranges(parser, args)
-    for flag, value in {"--max-tokens": args.max_tokens, "-n": args.n}.items():
-        if value is not None and value < 1:
-            parser.error(f"{flag} must be >= 1, got {value}")
+    require_positive(parser, {"--max-tokens": args.max_tokens, "-n": args.n})
     if args.temperature is not None and args.temperature < 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
