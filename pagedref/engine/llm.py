@@ -48,16 +48,16 @@ import torch
 
 from pagedref.engine.beam_search import BeamSearchOutput, BeamState, beam_search, round_params
 from pagedref.engine.block_manager import BlockManager, ContiguousBlockManager
-from pagedref.engine.config import MAX_DECODE_GRAPH_BATCH, EngineArgs, EngineConfig, MiB
+from pagedref.engine.config import MAX_DECODE_GRAPH_BATCH, EngineArgs, EngineConfig, GiB, MiB
 from pagedref.engine.cuda_graph import CUDAGraphConfig
-from pagedref.engine.model_runner import (GiB, DriverRunner, ModelRunner, ModelRunnerOutput, kv_block_bytes,
+from pagedref.engine.model_runner import (DriverRunner, ModelRunner, ModelRunnerOutput, kv_block_bytes,
                                           num_blocks_from_budget, profile_num_gpu_blocks)
 from pagedref.engine.sampling import make_generator
 from pagedref.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedref.engine.scheduler import Scheduler, SchedulerOutput
 from pagedref.engine.sequence import (CompletionOutput, RequestOutput, Sequence, SequenceGroup, SequenceStatus,
                                       next_seq_id)
-from pagedref.engine.stop_checker import StopChecker, decode_output, detokenize  # noqa: F401 (detokenize: its old home)
+from pagedref.engine.stop_checker import StopChecker, decode_output
 from pagedref.memory.block_table import cdiv
 
 PromptType = str | dict[str, Any]

@@ -50,7 +50,6 @@ import numpy as np
 import torch
 
 from pagedref.backends.metadata import AttentionMetadata
-from pagedref.engine.config import GiB, MiB  # noqa: F401 (re-exported)
 from pagedref.engine.cuda_graph import CUDAGraphConfig, DecodeGraphs, PiecewiseGraphs, num_scratch_blocks
 from pagedref.engine.sampling import Sampler, row_logprobs
 from pagedref.engine.scheduler import ScheduledSequence, SchedulerOutput
