@@ -249,14 +249,6 @@ class LLMEngine:
         by recompute, "swapped": preempted by swap} (the server's /metrics)."""
         return self.scheduler.num_requests()
 
-    @property
-    def num_running_seqs(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting_seqs(self) -> int:
-        return len(self.scheduler.waiting)
-
     # --- the step -------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One iteration: schedule, execute (forward and sample), update. Returns the requests that
