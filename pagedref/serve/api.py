@@ -170,7 +170,7 @@ class _Handlers:
         prompts = []
         for given in req.prompts():
             text, ids = self._process(given)
-            max_tokens = self._max_tokens(req.max_tokens, len(ids), "max_tokens", default_to_room=req.max_tokens is None)
+            max_tokens = self._max_tokens(req.max_tokens, len(ids), "max_tokens")
             prompts.append(_Prompt(text, ids, self._check_params(req.sampling_params(max_tokens, req.logprobs), "logprobs")))
         sub = self._submit("cmpl", prompts, arrival)
         if req.stream:
@@ -206,7 +206,7 @@ class _Handlers:
         _, ids = self._process({"prompt": text, "prompt_token_ids": ids})
         requested = req.requested_max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self._max_tokens(requested, len(ids), param, default_to_room=requested is None)
+        max_tokens = self._max_tokens(requested, len(ids), param)
         prompts = [_Prompt(text, ids, self._check_params(req.sampling_params(max_tokens, req.num_logprobs), "top_logprobs"))]
         sub = self._submit("chatcmpl", prompts, arrival)
         if req.stream:
@@ -276,11 +276,11 @@ class _Handlers:
             raise bad_request(str(err), logprobs_param if "logprobs" in str(err) else "n") from err
         return params
 
-    def _max_tokens(self, requested: int | None, prompt_len: int, param: str, default_to_room: bool) -> int:
+    def _max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
         """OpenAI's (and vLLM's) rule: prompt + completion must fit max_model_len; None asks for all the room."""
         max_len = self.engine.max_model_len
         room = max_len - prompt_len
-        want = room if default_to_room else requested
+        want = room if requested is None else requested
         if room < 1 or want > room:
             raise bad_request(f"This model's maximum context length is {max_len} tokens. However, you requested "
                               f"{prompt_len + max(want, 1)} tokens ({prompt_len} in the prompt, {max(want, 1)} in the "
