@@ -178,8 +178,8 @@ class _Handlers:
         finals = await self._wait(request, sub)
         choices, completion_tokens = [], 0
         for i, (rid, p) in enumerate(zip(sub.request_ids, prompts)):
+            prefix = self._prompt_text(p, req.skip_special_tokens) if req.echo else ""  # the same for each of the n choices
             for c in finals[rid].outputs:
-                prefix = self._prompt_text(p, req.skip_special_tokens) if req.echo else ""
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs = self._completion_logprobs(c, 0, len(c.token_ids), len(prefix))
