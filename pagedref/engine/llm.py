@@ -188,12 +188,11 @@ class LLMEngine:
             return
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ValueError(f"logprobs={params.logprobs} is more than max_logprobs={self.max_logprobs} "
-                             "(an LLM argument, 20 by default as in vLLM)")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > self.max_logprobs:
-            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} is more than max_logprobs={self.max_logprobs} "
-                             "(an LLM argument, 20 by default as in vLLM)")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.max_logprobs:
+                raise ValueError(f"{name}={k} is more than max_logprobs={self.max_logprobs} "
+                                 "(an LLM argument, 20 by default as in vLLM)")
         if params.n > 1 and isinstance(self.block_manager, ContiguousBlockManager):
             raise ValueError(f"n={params.n} needs shared blocks: kv_cache='contiguous' (the stage 1 baseline) has none")
 
