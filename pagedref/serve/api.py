@@ -145,7 +145,7 @@ class _Handlers:
     async def models(self, request: Request):
         self._check_auth(request)
         card = {"id": self.config.served_model_name, "object": "model", "created": self.created, "owned_by": "pagedref",
-                "max_model_len": self.engine.max_model_len}
+                "max_model_len": self.engine.facts.max_model_len}
         return {"object": "list", "data": [card]}
 
     async def health(self):
@@ -278,7 +278,7 @@ class _Handlers:
 
     def _max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
         """OpenAI's (and vLLM's) rule: prompt + completion must fit max_model_len; None asks for all the room."""
-        max_len = self.engine.max_model_len
+        max_len = self.engine.facts.max_model_len
         room = max_len - prompt_len
         want = room if requested is None else requested
         if room < 1 or want > room:

@@ -135,7 +135,6 @@ class AsyncLLM:
         except BaseException:
             self.shutdown()
             raise
-        self.max_model_len = self.facts.max_model_len
         self.checks = _EngineChecks(self.tokenizer, self.facts)
 
     def _wait_ready(self, timeout: float) -> EngineFacts:
