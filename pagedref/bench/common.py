@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,11 @@ def free_device(device: str) -> None:
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
+
+
+def progress(msg: str) -> None:
+    """A benchmark's progress line, on stderr at once (its results go to stdout)."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 def environment(device: str) -> dict[str, Any]:

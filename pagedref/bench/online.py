@@ -46,9 +46,10 @@ from typing import Any
 
 import numpy as np
 
+from pagedref.bench.common import (SHAPES, add_output_flags, emit, environment, parse_or_replay, progress, pyplot,
+                                   random_model_dir, save_figure)
 from pagedref.bench.memory import BLOCK_SIZE, MAX_MODEL_LEN
-from pagedref.bench.serve import (NUM_PROMPTS, SHAPES, BenchRequest, add_output_flags, emit, engine_args, environment,
-                                  make_requests, parse_or_replay, pyplot, random_model_dir, run_pagedref, save_figure)
+from pagedref.bench.serve import NUM_PROMPTS, BenchRequest, engine_args, make_requests, run_pagedref
 
 SERVED_NAME = "bench"
 
@@ -369,8 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     if args is None:
         return 0
     rates, device = check_args(parser, args)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731  progress on stderr, results on stdout
-    model_dir, model_name, vocab_size, max_len = workload_model(args, device, log)
+    model_dir, model_name, vocab_size, max_len = workload_model(args, device, progress)
     reqs = make_requests(args.num_prompts, vocab_size, args.seed, args.input_len, args.output_len)
     too_long = [r for r in reqs if len(r.prompt_token_ids) + r.output_len > min(max_len, MAX_MODEL_LEN)]
     if too_long:
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                              args.gpu_memory_utilization, args.enforce_eager)
     if args.model is not None:
         llm_kwargs["max_model_len"] = min(max_len, MAX_MODEL_LEN)
-    server = None if args.base_url else ServerProcess(model_dir, llm_kwargs, log)
+    server = None if args.base_url else ServerProcess(model_dir, llm_kwargs, progress)
     url = args.base_url.rstrip("/") if args.base_url else server.url
     doc: dict[str, Any] = {
         "benchmark": "online", "command": "python -m pagedref.bench online " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"the warm-up request failed: {warm_result.error}")
         doc["server_kv_blocks"] = _server_figure(url, "pagedref:num_kv_blocks")
         for rate in rates:
-            log(f"[online] rate {rate}: {len(reqs)} requests ...")
+            progress(f"[online] rate {rate}: {len(reqs)} requests ...")
             steps_before = _server_figure(url, "pagedref:num_engine_steps_total")
             results, duration = asyncio.run(run_rate(url, served, reqs, rate, args.seed, args.max_concurrency))
             run = summarize(results, duration, rate)
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             if steps_before is not None and steps_after is not None:  # a server of another kind may not count them
                 run["engine_steps"] = steps_after - steps_before
                 run["engine_steps_per_s"] = run["engine_steps"] / duration
-            log(f"[online] rate {rate}: {run['completed']} done in {duration:.1f} s, {run['output_throughput']:.1f} output tok/s")
+            progress(f"[online] rate {rate}: {run['completed']} done in {duration:.1f} s, {run['output_throughput']:.1f} output tok/s")
             doc["runs"].append(run)
             if args.json_out:
                 args.json_out.write_text(json.dumps(doc, indent=2))
@@ -419,9 +419,9 @@ def main(argv: list[str] | None = None) -> int:
             status = server.stop()
             doc["server_exit_status"] = status
             if status != 0:
-                log(f"[online] the server exited with status {status}")
+                progress(f"[online] the server exited with status {status}")
     if args.compare_offline:
-        offline = run_pagedref(model_dir, reqs, "paged", llm_kwargs, log)
+        offline = run_pagedref(model_dir, reqs, "paged", llm_kwargs, progress)
         inf = next((r for r in doc["runs"] if r["request_rate"] == "inf"), None)
         steps = re.match(r"(\d+) steps", offline.note)
         doc["offline"] = {**offline.as_dict(),
