@@ -153,8 +153,8 @@ def summarize(results: list[RequestResult], duration: float, rate: float) -> dic
     for name, values in (("ttft", [r.ttft for r in done]), ("tpot", tpots), ("itl", [x for r in done for x in r.itl]),
                          ("e2el", [r.latency for r in done])):
         ms = np.asarray(values, dtype=np.float64) * 1000.0
-        doc[f"{name}_ms"] = {"mean": float(ms.mean()) if ms.size else 0.0, "median": float(np.median(ms)) if ms.size else 0.0,
-                             "p99": float(np.percentile(ms, 99)) if ms.size else 0.0, "std": float(ms.std()) if ms.size else 0.0}
+        doc[f"{name}_ms"] = ({"mean": float(ms.mean()), "median": float(np.median(ms)), "p99": float(np.percentile(ms, 99)),
+                              "std": float(ms.std())} if ms.size else dict.fromkeys(("mean", "median", "p99", "std"), 0.0))
     return doc
 
 
