@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from pagedref.engine.sampling_params import check_int
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -41,13 +43,6 @@ CPU_DEFAULTS = dict(max_num_seqs=256, max_num_batched_tokens=2048)
 # attention launches and the pieces' buffer copies. Capturing the ladder's 32 sizes past 512 costs a few
 # seconds at start-up and little memory (all graphs share one pool, sized by the largest).
 MAX_DECODE_GRAPH_BATCH = 1024
-
-
-def check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
 
 
 def resolve_device(device: str) -> str:
@@ -84,8 +79,8 @@ class SchedulerConfig:
     async_scheduling: bool = False  # schedule step N+1 while step N runs (the engine's loop; pagedref.engine.llm)
 
     def __post_init__(self) -> None:
-        check_positive("max_num_seqs", self.max_num_seqs)
-        check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.prefill_first and self.enable_chunked_prefill:
@@ -142,14 +137,14 @@ class SpeculativeConfig:
                              f"got {config.get('method')!r}")
         if "num_speculative_tokens" not in config:
             raise ValueError("speculative_config: num_speculative_tokens is required (the k draft tokens per step)")
-        check_positive("speculative_config num_speculative_tokens", config["num_speculative_tokens"])
+        check_int("speculative_config num_speculative_tokens", config["num_speculative_tokens"], 1)
         lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
         if method == "ngram":
             if config.get("model") is not None:
                 raise ValueError("speculative_config: method 'ngram' takes no draft 'model'")
             lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
-            check_positive("speculative_config prompt_lookup_min", lo)
-            check_positive("speculative_config prompt_lookup_max", hi)
+            check_int("speculative_config prompt_lookup_min", lo, 1)
+            check_int("speculative_config prompt_lookup_max", hi, 1)
             if lo > hi:
                 raise ValueError(f"speculative_config: prompt_lookup_min={lo} > prompt_lookup_max={hi}")
         else:
@@ -240,18 +235,18 @@ class EngineArgs:
         from pagedref.models import ModelConfig, resolve_dtype
 
         device = resolve_device(self.device)
-        check_positive("block_size", self.block_size)
+        check_int("block_size", self.block_size, 1)
         defaults = device_defaults(device)
         if self.kv_cache not in ("paged", "contiguous"):
             raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {self.kv_cache!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None:
-            check_positive("num_kv_blocks", self.num_kv_blocks)
+            check_int("num_kv_blocks", self.num_kv_blocks, 1)
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space}")
-        check_positive("max_seq_len_to_capture", self.max_seq_len_to_capture)
-        check_positive("max_capture_size", self.max_capture_size)
+        check_int("max_seq_len_to_capture", self.max_seq_len_to_capture, 1)
+        check_int("max_capture_size", self.max_capture_size, 1)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
 
@@ -260,7 +255,7 @@ class EngineArgs:
         check_tensor_parallel_size(hf_config, self.tensor_parallel_size)
         tp_size = self.tensor_parallel_size
         max_model_len = hf_config.max_position_embeddings if self.max_model_len is None else self.max_model_len
-        check_positive("max_model_len", max_model_len)
+        check_int("max_model_len", max_model_len, 1)
         if max_model_len > hf_config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} is more than the model's max_position_embeddings="
                              f"{hf_config.max_position_embeddings}")

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 _SAMPLING_EPS = 1e-5  # vLLM: a temperature below this is greedy
 
 
-def _check_int(name: str, value, low: int | None = None, allow_none: bool = False) -> None:
+def check_int(name: str, value, low: int | None = None, allow_none: bool = False) -> None:
+    """value is an int (not a bool) of at least low (None too, where allowed), or an error naming it."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int):
@@ -49,23 +50,23 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        _check_int("n", self.n, 1)
+        check_int("n", self.n, 1)
         self.temperature = _check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         self.top_p = _check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k)
+        check_int("top_k", self.top_k)
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
         self.min_p = _check_number("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        _check_int("max_tokens", self.max_tokens, 1, allow_none=True)
-        _check_int("seed", self.seed, allow_none=True)
-        _check_int("logprobs", self.logprobs, 0, allow_none=True)
-        _check_int("prompt_logprobs", self.prompt_logprobs, 0, allow_none=True)
+        check_int("max_tokens", self.max_tokens, 1, allow_none=True)
+        check_int("seed", self.seed, allow_none=True)
+        check_int("logprobs", self.logprobs, 0, allow_none=True)
+        check_int("prompt_logprobs", self.prompt_logprobs, 0, allow_none=True)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -73,7 +74,7 @@ class SamplingParams:
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids entry", t, 0)
+            check_int("stop_token_ids entry", t, 0)
         if self.is_greedy:  # as vLLM: the masks mean nothing to an argmax
             self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
 
@@ -94,8 +95,8 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        _check_int("beam_width", self.beam_width, 1)
-        _check_int("max_tokens", self.max_tokens, 1)
+        check_int("beam_width", self.beam_width, 1)
+        check_int("max_tokens", self.max_tokens, 1)
         if _check_number("temperature", self.temperature) != 0.0:
             raise ValueError(f"temperature must be 0 for beam search (it ranks by the model's logprobs), "
                              f"got {self.temperature}")
