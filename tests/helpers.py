@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 
 from pagedref.backends.metadata import AttentionMetadata
@@ -31,6 +32,14 @@ def model_path(name: str) -> Path:
     if not path.is_dir():
         raise FileNotFoundError(f"test model {name!r} not found at {path}")
     return path
+
+
+def usage_error(main, capsys, *args: str) -> str:
+    """The stderr of `main(args)`, a CLI's run that must stop with argparse's usage error (exit status 2)."""
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    assert exc.value.code == 2
+    return capsys.readouterr().err
 
 
 def read_reference(name: str, file: str) -> dict:

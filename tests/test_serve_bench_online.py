@@ -13,6 +13,7 @@ pytest.importorskip("fastapi", reason="the server needs the serve extra (pip ins
 
 from pagedref.bench import online  # noqa: E402
 from pagedref.bench.serve import make_requests  # noqa: E402
+from helpers import usage_error  # noqa: E402
 
 
 def test_smoke_run_reports_benchmark_servings_figures(tmp_path, capsys):
@@ -60,7 +61,4 @@ def test_the_workload_is_bench_serves():
     (["--model", "/no/such/dir"], "not a model directory"),
 ])
 def test_bad_flags_are_usage_errors(capsys, args, words):
-    with pytest.raises(SystemExit) as exc:
-        online.main(["--device", "cpu", *args])
-    assert exc.value.code == 2
-    assert words in capsys.readouterr().err
+    assert words in usage_error(online.main, capsys, "--device", "cpu", *args)

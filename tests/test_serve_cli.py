@@ -17,6 +17,7 @@ pytest.importorskip("fastapi", reason="the server needs the serve extra (pip ins
 from pagedref import cli  # noqa: E402
 from pagedref.bench.serve import random_model_dir  # noqa: E402
 from pagedref.serve.__main__ import main as serve_main  # noqa: E402
+from helpers import usage_error  # noqa: E402
 from serve_helpers import ServerProcess, engine_pid, process_gone  # noqa: E402
 
 
@@ -29,10 +30,7 @@ from serve_helpers import ServerProcess, engine_pid, process_gone  # noqa: E402
     (["--api-key", " "], "--api-key is empty"),
 ])
 def test_bad_flags_are_usage_errors(capsys, args, words):
-    with pytest.raises(SystemExit) as exc:
-        serve_main(args)
-    assert exc.value.code == 2
-    assert words in capsys.readouterr().err
+    assert words in usage_error(serve_main, capsys, *args)
 
 
 def test_console_script_dispatches_to_the_modules(capsys):
