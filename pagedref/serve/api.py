@@ -321,11 +321,12 @@ class _Handlers:
 
     def _sse(self, request: Request, submitted: "_Submitted", chunks: "_Chunks") -> StreamingResponse:
         async def events() -> AsyncIterator[bytes]:
+            prompt_index = {rid: i for i, rid in enumerate(submitted.request_ids)}  # not a list search per output
             watcher = asyncio.create_task(_watch_disconnect(request, submitted.stream))
             try:
                 lines = chunks.start()
                 async for rid, out in submitted.stream:
-                    lines += chunks.on_output(submitted.request_ids.index(rid), out)
+                    lines += chunks.on_output(prompt_index[rid], out)
                     if lines:
                         yield _sse_bytes(lines)
                         lines = []
