@@ -8,7 +8,7 @@ error that names the argument. The checks run on CPU tensors too, so they are te
 import pytest
 import torch
 
-from pagedref.course import lesson
+from pagedref.course import lesson, raises
 from pagedref.kernels import testing as T
 
 
@@ -38,13 +38,15 @@ def test_step10_a_well_formed_batch_passes_and_padding_is_never_checked(p):
 
 def test_step11_a_block_id_outside_the_pool_is_named(p):
     p.block_tables[2, 3] = p.k_cache.shape[0]
-    with pytest.raises(ValueError, match=r"block_tables\[2, 3\] = \d+ is not a physical block"):
+    with raises(ValueError, "stage 5: a block id outside the pool is refused, naming its entry",
+                match=r"block_tables\[2, 3\] = \d+ is not a physical block"):
         check_all(p)
 
 
 def test_step12_a_padding_entry_inside_the_context_is_caught(p):
     p.block_tables[0, 1] = -1  # sequence 0 has 40 tokens: its second block is in use
-    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = -1"):
+    with raises(ValueError, "stage 5: a padding entry (-1) inside a sequence's context is refused",
+                match=r"block_tables\[0, 1\] = -1"):
         check_all(p)
 
 
@@ -78,17 +80,17 @@ def test_step16_query_rows_must_fit_their_context(p):
 
 def test_step17_slots_are_distinct_and_inside_the_pool(p):
     key = torch.randn(2, 2, 16)
-    with pytest.raises(ValueError, match=r"slot_mapping\[1\]"):
+    with raises(ValueError, "stage 5: a slot outside the pool is refused", match=r"slot_mapping\[1\]"):
         V().check_cache_write(key, key, p.k_cache, p.v_cache, torch.tensor([0, 10**6]))
-    with pytest.raises(ValueError, match="twice"):
+    with raises(ValueError, "stage 5: a slot written twice in one step is refused", match="twice"):
         V().check_cache_write(key, key, p.k_cache, p.v_cache, torch.tensor([7, 7]))
 
 
 def test_step18_a_copy_may_not_read_a_block_another_copy_writes(p):
     caches = [(p.k_cache, p.v_cache)]
-    with pytest.raises(ValueError, match="both a src and a dst"):
+    with raises(ValueError, "stage 5: a copy may not read a block another copy writes", match="both a src and a dst"):
         V().check_block_copies(caches, torch.tensor([1, 2]), torch.tensor([2, 3]))
-    with pytest.raises(ValueError, match="repeats"):
+    with raises(ValueError, "stage 5: two copies may not write one block", match="repeats"):
         V().check_block_copies(caches, torch.tensor([1, 2]), torch.tensor([3, 3]))
 
 
