@@ -42,7 +42,7 @@ class Server(uvicorn.Server):
         await super().startup(sockets)
         if self.should_exit or not self.servers:  # start-up failed (uvicorn logged why)
             return
-        host, self.port = self.servers[0].sockets[0].getsockname()[:2]
+        self.port = self.servers[0].sockets[0].getsockname()[1]
         print(f"{READY} http://{_url_host(self.config.host)}:{self.port}", file=sys.stderr, flush=True)
 
     def handle_exit(self, sig, frame) -> None:
