@@ -93,4 +93,26 @@ __device__ __forceinline__ float exp2_approx(float x) {  // 2^x; 2^-inf = +0
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
+
+// The end of prefill v2 and v3: this lane's two rows of the chunk, row_lo and row_lo + 8, in
+// mma.m16n8k16's accumulator layout (o[4 n + e]: row row_lo + 8 (e / 2), dim 8 n + 2 tig + e % 2).
+// Each lane added its own keys; add the exp-sums over the row's 4 lanes, then write the rows' HEAD_DIM
+// dims, divided by them (rows past the chunk are not written; padded dims past HEAD_DIM neither).
+__device__ __forceinline__ void write_rows(scalar_t *out, const float *o, float l_lo, float l_hi, int q0, int row_lo,
+                                           int qlen, long long q_row_stride, int h, int tig) {
+#pragma unroll
+  for (int off = 1; off < 4; off *= 2) {
+    l_lo += __shfl_xor_sync(PR_FULL_MASK, l_lo, off);
+    l_hi += __shfl_xor_sync(PR_FULL_MASK, l_hi, off);
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row_lo + 8 * half;
+    if (row >= qlen) continue;
+    const float l = half ? l_hi : l_lo;
+    unsigned *dst = reinterpret_cast<unsigned *>(out + (long long)(q0 + row) * q_row_stride + h * HEAD_DIM + 2 * tig);
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) dst[4 * n] = pack2(o[4 * n + 2 * half] / l, o[4 * n + 2 * half + 1] / l);
+  }
+}
 #endif

@@ -462,21 +462,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_prefill_v2(
   }
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // nothing may be in flight at exit
 
-  // Each lane added its own keys; add over the row's 4 lanes, then write this lane's two rows.
-#pragma unroll
-  for (int off = 1; off < 4; off *= 2) {
-    l_lo += __shfl_xor_sync(PR_FULL_MASK, l_lo, off);
-    l_hi += __shfl_xor_sync(PR_FULL_MASK, l_hi, off);
-  }
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = wrow0 + grp + 8 * half;
-    if (row >= qlen) continue;
-    const float l = half ? l_hi : l_lo;
-    unsigned *dst = reinterpret_cast<unsigned *>(out + (long long)(q0 + row) * q_row_stride + h * HEAD_DIM + 2 * tig);
-#pragma unroll
-    for (int n = 0; n < ON; ++n)
-      if (8 * n < HEAD_DIM) dst[4 * n] = pack2(o[n][2 * half] / l, o[n][2 * half + 1] / l);
-  }
+  write_rows(out, &o[0][0], l_lo, l_hi, q0, wrow0 + grp, qlen, q_row_stride, h, tig);
 }
 #endif  // PREFILL_MMA

@@ -284,22 +284,7 @@ __device__ __forceinline__ void consume(scalar_t *__restrict__ out, int q0, int 
     if (lane == 0) mbar_arrive(empty + 8 * stage);  // this warp's mmas no longer read the stage
   }
   if (!active) return;
-
-  // Each lane added its own keys; add over the row's 4 lanes, then write this lane's two rows.
-#pragma unroll
-  for (int off = 1; off < 4; off *= 2) {
-    l_lo += __shfl_xor_sync(PR_FULL_MASK, l_lo, off);
-    l_hi += __shfl_xor_sync(PR_FULL_MASK, l_hi, off);
-  }
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = wrow0 + grp + 8 * half;
-    if (row >= qlen) continue;
-    const float l = half ? l_hi : l_lo;
-    unsigned *dst = reinterpret_cast<unsigned *>(out + (long long)(q0 + row) * q_row_stride + h * HEAD_DIM + 2 * tig);
-#pragma unroll
-    for (int n = 0; n < HEAD_DIM / 8; ++n) dst[4 * n] = pack2(o[4 * n + 2 * half] / l, o[4 * n + 2 * half + 1] / l);
-  }
+  write_rows(out, o, l_lo, l_hi, q0, wrow0 + grp, qlen, q_row_stride, h, tig);
 }
 
 // The producer warpgroup: the CTA's query rows (zeros past the chunk) with tile 0, then each key
