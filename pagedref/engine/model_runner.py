@@ -230,13 +230,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, self._upload(rows)))  # [R (+ spec rows), vocab]
         else:
             logits = hidden.new_empty((0, 0))
-        spec_tokens = None
-        if step.spec_rows:  # speculative decoding: the rows after the R sampling ones are verified, not sampled
-            r = len(step.sample_rows)
-            spec_tokens = self.rejection_sampler(logits[r:], step.spec_entries, self._upload)
-            tokens = self.sampler.sample_tokens(logits[:r], step.logit_rows, step.sample_seqs, self._upload)
-        else:
-            tokens = self.sampler.sample_tokens(logits, step.logit_rows, step.sample_seqs, self._upload)
+        r = len(step.sample_rows)  # speculative decoding: the rows after the R sampling ones are verified, not sampled
+        spec_tokens = self.rejection_sampler(logits[r:], step.spec_entries, self._upload) if step.spec_rows else None
+        tokens = self.sampler.sample_tokens(logits[:r], step.logit_rows, step.sample_seqs, self._upload)
         prompt_logits = None
         if step.prompt_rows:  # prompt_logprobs: the logits of the prompt rows that predict a prompt token
             prompt_logits = self.model.compute_logits(hidden.index_select(0, self._upload(step.prompt_rows)))
