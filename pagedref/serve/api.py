@@ -70,7 +70,7 @@ class ServerConfig:
 def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving `engine` (its process started and ready; the app observes its latencies into
     `engine.metrics`). Its lifespan attaches the engine to the loop and, at shutdown, aborts what is left and
-    stops the engine's process (`app.state.final_stats`: the engine's stats then; the pool should be free)."""
+    stops the engine's process (`engine.final_stats`: the engine's stats then; the pool should be free)."""
     metrics = engine.metrics = engine.metrics or ServerMetrics()
     try:
         chat_template: ChatTemplate | NoChatTemplate = ChatTemplate.from_model_dir(config.model_dir)
@@ -81,7 +81,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         engine.start(asyncio.get_running_loop())
         yield
-        stats = app.state.final_stats = await engine.stop()
+        stats = await engine.stop()
         if stats is None:
             log.warning("engine stopped on an error earlier: %s", engine.error)
             return
@@ -90,8 +90,6 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="pagedref", version=pagedref.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    app.state.engine = engine
-    app.state.metrics = metrics
     api = _Handlers(engine, config, metrics, chat_template)
 
     @app.exception_handler(APIError)
