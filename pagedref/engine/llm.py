@@ -154,21 +154,18 @@ class LLMEngine:
     # --- requests -------------------------------------------------------------------------------
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """A prompt (text, or {"prompt_token_ids": [...]} / {"prompt": text}) -> (text, token ids), checked."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty: give at least one character (or prompt_token_ids)")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise TypeError(f"prompt_token_ids must be a list of ints, got {ids!r}")
             ids = list(ids)
-        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            if not prompt["prompt"]:
+        else:  # text, given as it is or as {"prompt": text}
+            text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+            if not isinstance(text, str):
+                raise TypeError(f"a prompt is a string or a dict with 'prompt_token_ids' (or 'prompt'), got {prompt!r}")
+            if not text:
                 raise ValueError("the prompt is empty: give at least one character (or prompt_token_ids)")
-            text, ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        else:
-            raise TypeError(f"a prompt is a string or a dict with 'prompt_token_ids' (or 'prompt'), got {prompt!r}")
+            ids = self.tokenizer.encode(text)
         if not ids:
             raise ValueError("the prompt has no tokens (empty prompt_token_ids)")
         if len(ids) > self.max_model_len:
