@@ -472,6 +472,7 @@ def fig_speculative_decoding(out: Path, quick: bool) -> list[Path]:
     width = bs + 1
     for row, r in enumerate(steps):
         y = -row
+        own = r.start + r.accepted + 1  # the target's own token (correction or bonus) joins after the step
         for i in range(first, len(r.blocks)):
             x = (i - first) * width
             returned = i >= len(r.kept)
@@ -487,9 +488,8 @@ def fig_speculative_decoding(out: Path, quick: bool) -> list[Path]:
                     kind = None
                 ax.add_patch(Rectangle((x + slot, y - 0.35), 1, 0.7, facecolor=colors[kind] if kind else "white",
                                        edgecolor="black", lw=0.5, hatch="xx" if kind == "rejected" else None))
-            if p_own := r.start + r.accepted + 1:  # the target's own token (correction or bonus) joins after the step
-                if (p_own // bs) == i:
-                    ax.add_patch(Rectangle((x + p_own % bs + 0.2, y - 0.2), 0.6, 0.4, facecolor=colors["own"], lw=0))
+            if own // bs == i:
+                ax.add_patch(Rectangle((x + own % bs + 0.2, y - 0.2), 0.6, 0.4, facecolor=colors["own"], lw=0))
             ax.text(x + bs / 2, y + 0.42, f"{'→ pool ' if returned else ''}#{r.blocks[i]}", ha="center", va="bottom",
                     fontsize=7, color="#C44E52" if returned else "dimgray")
         ax.text(-0.8, y, f"step {row + 1}\npositions {r.start}-{r.start + r.drafts}", ha="right", va="center", fontsize=7)
