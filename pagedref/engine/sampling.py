@@ -157,10 +157,9 @@ class Sampler:
             return torch.empty(0, dtype=torch.int64, device=logits.device)
         index = index or (lambda xs: torch.tensor(xs, dtype=torch.int64, device=logits.device))
         greedy = [seq.params.is_greedy for seq in seqs]
-        one_to_one = rows == list(range(logits.shape[0]))
         if all(greedy):  # argmax involves no arithmetic: the batched argmax equals the per-row ones exactly
             argmax = logits.argmax(-1)
-            return argmax if one_to_one else argmax[index(rows)]
+            return argmax if rows == list(range(logits.shape[0])) else argmax[index(rows)]
         tokens = torch.zeros(len(seqs), dtype=torch.int64, device=logits.device)
         if any(greedy):
             picked = [i for i, g in enumerate(greedy) if g]
