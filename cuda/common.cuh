@@ -81,6 +81,9 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// A shared-memory address as the 32-bit operand of PTX's .shared instructions.
+__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+
 // Two floats -> one word of two 16-bit values (lo in the low half), round to nearest even.
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   unsigned r;

@@ -571,7 +571,7 @@ __device__ __forceinline__ unsigned word(const uint4 &u, int i) {  // i is a con
 __device__ __forceinline__ uint4 lds16(const uint4 *p) {
   uint4 u;
   asm volatile("ld.volatile.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
-               : "r"((unsigned)__cvta_generic_to_shared(p)));
+               : "r"(smem_u32(p)));
   return u;
 }
 
@@ -651,12 +651,12 @@ __device__ __forceinline__ void load_v_slab(VSlab &vt, const scalar_t *v_cache, 
 // The query's B fragments of the partial K pieces, re-read from shared memory each slab (as lds16).
 __device__ __forceinline__ uint2 lds8(const scalar_t *p) {
   uint2 u;
-  asm volatile("ld.volatile.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(u.x), "=r"(u.y) : "r"((unsigned)__cvta_generic_to_shared(p)));
+  asm volatile("ld.volatile.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(u.x), "=r"(u.y) : "r"(smem_u32(p)));
   return u;
 }
 __device__ __forceinline__ unsigned lds4(const scalar_t *p) {
   unsigned u;
-  asm volatile("ld.volatile.shared.u32 %0, [%1];\n" : "=r"(u) : "r"((unsigned)__cvta_generic_to_shared(p)));
+  asm volatile("ld.volatile.shared.u32 %0, [%1];\n" : "=r"(u) : "r"(smem_u32(p)));
   return u;
 }
 

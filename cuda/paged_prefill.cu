@@ -255,8 +255,6 @@ constexpr int SN = TK / 8;                      // n-tiles of S (8 keys each)
 constexpr int ON = DP / 8;                      // n-tiles of O (8 dims each)
 static_assert(TK % BLOCK_SIZE == 0, "a key tile covers whole blocks");
 
-__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
-
 __device__ __forceinline__ void cp_async16_ca(void *dst, const scalar_t *src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
 }

@@ -70,8 +70,6 @@ constexpr int STAGE_BYTES = 2 * TILE_BYTES;    // K then V
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;  // 128 * 40 + 256 * 232 <= 65536
 static_assert(TK % BLOCK_SIZE == 0, "a key tile covers whole blocks");
 
-__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
-
 // Byte offset of 16-byte chunk c of row r in a swizzled tile of `rows` rows (see the header).
 __device__ __forceinline__ unsigned swz(int rows, int r, int c) {
   return (unsigned)((c / 8) * rows * 128 + r * 128 + (((c % 8) ^ (r % 8)) << 4));
