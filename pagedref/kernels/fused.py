@@ -21,13 +21,12 @@ the value checks that copy indices to the host (positions, slots) run only with 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pagedref.kernels import build, validate
+from pagedref.kernels import build, launch, validate
 
 FILE = "fused_ops.cu"
 ROPE_THREADS = 128  # per token: rotations and value copies are independent, any block size gives the same bits
@@ -71,22 +70,9 @@ class RotaryTables:
 
 # --- launching ---------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def _external_stream(ptr: int, device: int):
-    import cupy
-
-    with cupy.cuda.Device(device):
-        return cupy.cuda.ExternalStream(ptr)
-
-
 def _launch(dtype: torch.dtype, name: str, device: torch.device, grid: tuple, block: int, args: tuple) -> None:
-    """Launch `name` of the dtype's module on torch's current stream of `device`."""
-    import cupy
-
-    kernel = build.function(fused_config(validate.DTYPE_NAMES[dtype]), name)
-    stream = _external_stream(torch.cuda.current_stream(device).cuda_stream, device.index)
-    with cupy.cuda.Device(device.index), stream:
-        kernel(grid, (block,), args)
+    """Launch `name` of the dtype's module on torch's current stream of `device` (the attention launcher's)."""
+    launch._launch(fused_config(validate.DTYPE_NAMES[dtype]), name, device, grid, args, threads=block)
 
 
 def _ptr(t: torch.Tensor | None) -> np.uint64:
