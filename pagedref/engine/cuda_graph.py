@@ -215,7 +215,7 @@ class PiecewiseGraphs:
         self.sin = torch.zeros(n, d // 2, **f32)  # [n, d/2]
         self.x = torch.zeros(n, model.config.hidden_size, **act)  # [n, hidden] the residual stream
         self.qkv = torch.zeros(n, (h + 2 * hkv) * d, **act)  # [n, (H + 2 Hkv) d] each row q | k | v
-        self.q, self.k, self.v = (t.view(n, -1, d) for t in self.qkv.split((h * d, hkv * d, hkv * d), dim=1))
+        self.q, self.k, self.v = attn.split_heads(self.qkv)  # [n, H, d], [n, Hkv, d] x 2: views into qkv
         self.attn = torch.zeros(n, h, d, **act)  # [n, H, d] attention's output, written between the pieces
         self.hidden = torch.zeros(n, model.config.hidden_size, **act)  # [n, hidden] the final norm's output
         self.graphs: dict[int, list] = {}  # n -> its num_layers + 1 graphs, in forward order
