@@ -117,9 +117,9 @@ class DecodeGraphs:
         self.buckets = buckets or context_buckets(self.max_context_len, partition)
         if max(self.buckets) != self.max_context_len:
             raise ValueError(f"the longest context bucket must be the captured context, {self.max_context_len}")
-        device = kv_caches[0][0].device
+        device = k_cache.device
         max_bs, max_blocks = self.sizes[-1], cdiv(max_model_len, block_size)
-        num_blocks = kv_caches[0][0].shape[0]
+        num_blocks = k_cache.shape[0]
         if (num_blocks - first_scratch_block) * block_size < max_bs:
             raise ValueError(f"the pool's scratch blocks ({first_scratch_block}..{num_blocks - 1}) hold fewer than the "
                              f"{max_bs} padding slots the largest graph needs")
