@@ -63,7 +63,7 @@ def check_attention(head_dims: set[int] | None = None, only: str | None = None) 
                                    block_size=block_size, dtype=dtype)
         runs += [(f"prefill v2 {dtype} head_dim={head_dim} block_size={block_size}", pre,
                   lambda p=pre: run_prefill(p, version=2))]
-    # Prefill v3 (wgmma, sm_90 only: elsewhere these run v2): head_dim 64 (4 KV stages) and 128 (2),
+    # Prefill v3 (wgmma, sm_90 only: elsewhere these run v2): head_dim 64 (4 KV stages) and 128 (3),
     # block sizes 8, 16 and 32; 150 rows = a full 128-row CTA and one whose second consumer warpgroup
     # has no rows; 530 and 1100 keys wrap the stage ring; 300 rows after 800 cached tokens.
     for dtype, head_dim, block_size in ((torch.bfloat16, 128, 16), (torch.float16, 64, 8), (torch.float16, 128, 32)):
