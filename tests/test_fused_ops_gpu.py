@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import statistics
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # helpers, when run as a script
-
-from pagedref.kernels import fused, gpu_available  # noqa: E402
+from pagedref.kernels import fused, gpu_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU and cupy")]
 
