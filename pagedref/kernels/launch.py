@@ -161,19 +161,20 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         validate.check_out(out, q)
     if shape.num_seqs == 0 or q.shape[0] == 0:
         return out
-    rows = {1: PREFILL_ROWS, 2: PREFILL_MMA_ROWS, 3: build.PREFILL_V3_ROWS}[version]  # query rows per CTA
+    # The version's kernel, query rows per CTA, threads per CTA and dynamic shared memory.
+    if version == 3:
+        name, rows, threads = "paged_prefill_v3", build.PREFILL_V3_ROWS, build.PREFILL_V3_THREADS
+        smem = build.prefill_v3_shared_bytes(shape.head_dim)
+    elif version == 2:
+        name, rows, threads = "paged_prefill_v2", PREFILL_MMA_ROWS, NUM_THREADS
+        smem = prefill_mma_shared_bytes(shape.head_dim)
+    else:
+        name, rows, threads = "paged_prefill", PREFILL_ROWS, NUM_THREADS
+        smem = 4 * (PREFILL_ROWS * shape.head_dim + 32 * (shape.head_dim + 4))
     if max_query_len > _MAX_GRID_YZ * rows:
         raise ValueError(f"max_query_len = {max_query_len} is above the {_MAX_GRID_YZ * rows} one launch covers")
     config = build.prefill_config(_dtype_name(q), shape.head_dim, shape.block_size, version)
-    threads = NUM_THREADS
-    if version == 3:
-        smem, threads = build.prefill_v3_shared_bytes(shape.head_dim), build.PREFILL_V3_THREADS
-    elif version == 2:
-        smem = prefill_mma_shared_bytes(shape.head_dim)
-    else:
-        smem = 4 * (PREFILL_ROWS * shape.head_dim + 32 * (shape.head_dim + 4))
     grid = (shape.num_seqs, shape.num_heads, -(-max_query_len // rows))
-    name = {1: "paged_prefill", 2: "paged_prefill_v2", 3: "paged_prefill_v3"}[version]
     _launch(config, name, q.device, grid,
             (_ptr(out), _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(context_lens),
              _ptr(query_start_loc), np.int32(shape.max_blocks), np.int32(shape.num_heads),
