@@ -22,13 +22,9 @@ search every block it used is free again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pagedref.engine.sampling_params import BeamSearchParams, SamplingParams
-from pagedref.engine.sequence import Logprob, Sequence
-
-if TYPE_CHECKING:
-    from pagedref.engine.sequence import RequestOutput
+from pagedref.engine.sequence import Logprob, RequestOutput, Sequence
 
 
 @dataclass
@@ -101,7 +97,7 @@ def rank_round(state: BeamState, eos_token_ids, max_model_len: int | None) -> li
     return []
 
 
-def to_output(request: "RequestOutput", tokenizer) -> BeamSearchOutput:
+def to_output(request: RequestOutput, tokenizer) -> BeamSearchOutput:
     """The BeamSearchOutput of a finished beam-search request's RequestOutput (one completion per beam)."""
     sequences = []
     for c in request.outputs:
