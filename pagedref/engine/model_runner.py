@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -303,9 +303,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             step = host
         else:
-            step = StepInput(self._upload(host.input_ids), self._upload(host.positions), self._upload_meta(host.meta),
-                             sample_rows, logit_rows, sample_seqs, host.meta, prompt_rows, prompt_spans, spec_rows,
-                             spec_entries)
+            step = replace(host, input_ids=self._upload(host.input_ids), positions=self._upload(host.positions),
+                           meta=self._upload_meta(host.meta), host_meta=host.meta)
         if in_flight_rows:
             tokens = prev.token_tensor.index_select(0, self._upload(in_flight_src))
             step.input_ids.index_copy_(0, self._upload(in_flight_rows), tokens)
