@@ -548,7 +548,7 @@ struct VSlab {
   unsigned t16[4];
   unsigned t8[4];  // one 16-bit value in the low half
 };
-constexpr float LN2 = 0.6931471805599453f;  // LOG2E, mma_16816, pack2, exp2_approx: common.cuh
+constexpr float LN2 = 0.6931471805599453f;  // LOG2E, mma_16816, pack2, exp2_approx, smem_u32: common.cuh
 
 
 // The warp's 8x8 matrix X of 16-bit values, lane (grp, tig) holding X[grp][2tig] (low half) and
