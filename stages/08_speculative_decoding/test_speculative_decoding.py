@@ -174,19 +174,33 @@ def test_step6_rejection_sampling_emits_the_targets_distribution():
 
 
 def engine_with(spec_config: dict) -> LLM:
-    return LLM(STORIES, device="cpu", num_kv_blocks=6 * 32 + 8, speculative_config=spec_config)
+    """The given engine on stories260K with `spec_config`, verifying with your rejection sampler."""
+    llm = LLM(STORIES, device="cpu", num_kv_blocks=6 * 32 + 8, speculative_config=spec_config)
+    llm.llm_engine.runner.rejection_sampler = spec.RejectionSampler()
+    return llm
+
+
+def with_your_draft_model(draft: str, k: int) -> tuple[LLM, object]:
+    """engine_with a draft model, proposing through your DraftModelProposer over the given draft runner's pool."""
+    llm = engine_with({"model": draft, "num_speculative_tokens": k})
+    scheduler = llm.llm_engine.scheduler
+    scheduler.proposer = spec.DraftModelProposer(scheduler.proposer.runner, 6 * 32 + 8, k, 512)
+    return llm, scheduler.proposer
+
+
+def generates_llama2c_tokens(llm: LLM, what: str) -> None:
+    cases = stories_cases()
+    outs = llm.generate([prompt(c) for c in cases], GREEDY)
+    for out, case in zip(outs, cases):
+        assert out.outputs[0].token_ids == expected(case), \
+            f"stage 8: {what} must give llama2.c's tokens for {case['prompt']!r}, token for token"
 
 
 def test_step7_on_stories260k_prompt_lookup_changes_no_token():
     llm = engine_with({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
     engine = llm.llm_engine
     engine.scheduler.proposer = spec.NgramProposer(4, 1, 3)  # yours, in the given engine
-    engine.runner.rejection_sampler = spec.RejectionSampler()
-    cases = stories_cases()
-    outs = llm.generate([prompt(c) for c in cases], GREEDY)
-    for out, case in zip(outs, cases):
-        assert out.outputs[0].token_ids == expected(case), \
-            f"stage 8: greedy speculation must give llama2.c's tokens for {case['prompt']!r}, token for token"
+    generates_llama2c_tokens(llm, "greedy speculation")
     stats = llm.get_stats()
     assert stats["spec_num_draft_tokens"] > 0 and 0 < stats["spec_num_accepted_tokens"] <= stats["spec_num_draft_tokens"], \
         "stage 8: drafts were scored, and some kept"
@@ -195,16 +209,8 @@ def test_step7_on_stories260k_prompt_lookup_changes_no_token():
 
 def test_step8_a_draft_model_keeps_its_own_paged_cache_in_step(tmp_path):
     k = 3
-    llm = engine_with({"model": str(STORIES), "num_speculative_tokens": k})  # the draft is the target itself
-    engine = llm.llm_engine
-    draft_runner = engine.scheduler.proposer.runner  # the draft model on its own pool of 200 blocks (given)
-    proposer = engine.scheduler.proposer = spec.DraftModelProposer(draft_runner, 6 * 32 + 8, k, 512)
-    engine.runner.rejection_sampler = spec.RejectionSampler()
-    cases = stories_cases()
-    outs = llm.generate([prompt(c) for c in cases], GREEDY)
-    for out, case in zip(outs, cases):
-        assert out.outputs[0].token_ids == expected(case), \
-            f"stage 8: greedy with a draft model must give llama2.c's tokens for {case['prompt']!r}"
+    llm, proposer = with_your_draft_model(str(STORIES), k)  # the draft is the target itself, on a pool of 200 blocks
+    generates_llama2c_tokens(llm, "greedy with a draft model")
     stats = llm.get_stats()
     rate = stats["spec_num_accepted_tokens"] / max(stats["spec_num_draft_tokens"], 1)
     assert rate >= 0.95, f"stage 8: a draft that is the target proposes what the target chooses: acceptance {rate:.1%} < 95%"
@@ -214,11 +220,9 @@ def test_step8_a_draft_model_keeps_its_own_paged_cache_in_step(tmp_path):
     # a draft the target often rejects: stories260K's first 4 of its 5 layers
     from pagedref.bench.spec import shallow_draft
 
-    llm = engine_with({"model": str(shallow_draft(STORIES, 4, tmp_path / "draft")), "num_speculative_tokens": k})
+    llm, proposer = with_your_draft_model(str(shallow_draft(STORIES, 4, tmp_path / "draft")), k)
     engine = llm.llm_engine
-    proposer = engine.scheduler.proposer = spec.DraftModelProposer(engine.scheduler.proposer.runner, 6 * 32 + 8, k, 512)
-    engine.runner.rejection_sampler = spec.RejectionSampler()
-    case = cases[1]
+    case = stories_cases()[1]
     engine.add_request("once", {"prompt": case["prompt"], "prompt_token_ids": case["prompt_ids"]}, GREEDY)
     seq = engine.requests["once"].seqs[0]
     while engine.has_unfinished_requests():  # the step contract, call by call
