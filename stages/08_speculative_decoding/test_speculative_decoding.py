@@ -54,6 +54,8 @@ def test_step1_prompt_lookup_proposes_what_followed_the_latest_earlier_match():
         "stage 8: [1, 2] occurred at 0 and at 3: the latest earlier occurrence (3) wins, its continuation is 5, 1, 2"
     assert spec.ngram_propose([7, 1, 2, 3, 4, 8, 2, 3, 4], 2, 2, 3) == [8, 2], \
         "stage 8: the longest suffix first: [2, 3, 4] (n = 3) occurred at 2, followed by 8, 2"
+    assert spec.ngram_propose([1, 2, 5, 3, 2, 9, 1, 2], 2, 1, 3) == [5, 3], \
+        "stage 8: the longest suffix first: [1, 2] (n = 2) occurred at 0, followed by 5, 3 (not [2]'s later match, 9, 1)"
     assert spec.ngram_propose([5, 6, 7], 3, 1, 3) == [], "stage 8: no suffix of min_n tokens occurred before: no draft"
     assert spec.ngram_propose([9, 5, 6, 7], 3, 2, 3) == [], "stage 8: the suffixes [6, 7] and [5, 6, 7] never occurred before"
     assert spec.ngram_propose([4, 4, 4], 5, 1, 1) == [4, 4, 4, 4, 4], \
@@ -145,6 +147,11 @@ def test_step5_greedy_verification_is_the_argmax_of_each_row():
     got = spec.verify_rows(one_hot, torch.tensor([4, 2, 4]), None, torch.full((k,), 0.999, dtype=torch.float64), races)
     assert got.tolist() == [4, 4, 4, 4], \
         "stage 8: a draft the target is sure of is kept (4), a draft it gives probability 0 is replaced by the target's (4)"
+    last = one_hot.clone()
+    last[k] = torch.eye(vocab, dtype=torch.float64)[1]  # p_k: sure of 1
+    got = spec.verify_rows(last, torch.tensor([4, 4, 4]), None, torch.full((k,), 0.999, dtype=torch.float64), races)
+    assert got.tolist() == [4, 4, 4, 1], \
+        "stage 8: after k kept drafts the last row gives the bonus token, drawn from p_k (row k), not from a draft's row"
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -217,6 +224,17 @@ def test_step8_a_draft_model_keeps_its_own_paged_cache_in_step(tmp_path):
     assert stats["spec_mean_accepted_length"] > k, "stage 8: nearly k + 1 tokens per speculative step"
     assert not proposer.kv.seqs and proposer.kv.allocator.num_free == 6 * 32 + 8, \
         "stage 8: a finished sequence's draft blocks go back too (free(seq)): the draft's block tables end empty"
+    small = spec.DraftModelProposer(proposer.runner, 1, k, 512)  # a draft pool of one block
+    too_long = make_seq(99, list(range(1, proposer.runner.block_size + 2)))
+    try:
+        drafts = small.propose([too_long], [k])
+    except NotImplementedError:  # (a skeleton's: it names what to write)
+        raise
+    except Exception as e:
+        raise AssertionError(f"stage 8: a sequence the draft pool cannot hold gets no draft, never an error: propose "
+                             f"raised {type(e).__name__}: {e}") from e
+    assert drafts == [None] and not small.kv.seqs and small.kv.allocator.num_free == 1, \
+        "stage 8: a sequence the draft pool cannot hold gets no draft, and holds no draft block"
     # a draft the target often rejects: stories260K's first 4 of its 5 layers
     from pagedref.bench.spec import shallow_draft
 
@@ -226,7 +244,14 @@ def test_step8_a_draft_model_keeps_its_own_paged_cache_in_step(tmp_path):
     engine.add_request("once", {"prompt": case["prompt"], "prompt_token_ids": case["prompt_ids"]}, GREEDY)
     seq = engine.requests["once"].seqs[0]
     while engine.has_unfinished_requests():  # the step contract, call by call
-        out = engine.scheduler.schedule()
+        try:
+            out = engine.scheduler.schedule()  # (it asks your proposer for drafts)
+        except NotImplementedError:
+            raise
+        except Exception as e:  # e.g. a table still holding rejected drafts leaves nothing to feed the draft
+            raise AssertionError(f"stage 8: a proposal after the target rejected drafts failed ({type(e).__name__}: "
+                                 f"{e}): before it proposes, the draft's table is rolled back to the tokens the target "
+                                 "kept") from e
         if seq.seq_id in proposer.kv.seqs:  # right after a proposal: the draft's table holds the sequence's tokens
             drafted = proposer.kv.seqs[seq.seq_id].token_ids
             assert drafted[:seq.num_tokens] == seq.token_ids, (
