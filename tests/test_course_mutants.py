@@ -2,7 +2,7 @@
 of the reference, must fail a test of its stage whose message names the lesson's rule.
 
 This is what a learner's deliberately wrong package meets under `pytest stages --impl`; the runner is
-`python -m pagedref.course mutants` (about a second a mutant).
+`python -m pagedref.course mutants` (a second a mutant in stages 1-5; stages 6-8 run real models, longer).
 """
 
 from __future__ import annotations
