@@ -1,4 +1,4 @@
-"""Stages 6–7 — the scheduler: iteration-level batching (Orca, vLLM) within a token budget.
+"""Stages 6–7 (and 8's drafts) — the scheduler: iteration-level batching (Orca, vLLM) within a token budget.
 
 One idea: the batch is re-formed at *every* step (one forward pass), not once per batch of requests.
 A request joins as soon as there is room for it, leaves the step it finishes, and its blocks go back
@@ -43,6 +43,10 @@ The step contract (vLLM v0's SequenceGroupMetadata, nano-vllm's schedule/postpro
 - `update()` is the one writer of what the step produced: it appends the sampled tokens (resolving
   their placeholders), forks the n samples of a prompt after its prefill (copy-on-write), ranks beam
   search's rounds and forks the survivors, checks the stop rules, finishes and frees.
+- With a `proposer` (stage 8, speculative decoding), pass 1 asks it for the decodes' drafts, which
+  ride along within the budget and the free blocks (never a preemption); `update()` verifies them:
+  it keeps the accepted drafts and the target's own next token, and truncates the rejected ones'
+  slots (`spec_decode` says how).
 A sequence whose step-N token is still in flight when step N+1 is scheduled decodes it in N+1 only
 if that token is known to be an ordinary next token: never a prompt's first samples that fork
 (n > 1) or a beam's candidates, and never past max_tokens or max_model_len. If the token turns out
