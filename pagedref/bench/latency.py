@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedref.bench.common import (SHAPES, add_output_flags, emit, environment, free_device, parse_or_replay, pyplot,
+from pagedref.bench.common import (SHAPES, add_output_flags, emit, environment, free_device, parse_or_replay, progress, pyplot,
                                    random_model_dir, save_figure, sharegpt_lengths, sync_device)
 
 # A long prompt every 0.5 s on average for the 30 s of chat arrivals: at the 8B shape on an H200 its
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     if args is None:
         return 0
     device, configs = check_args(parser, args)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    log = progress
     cfg = SHAPES[args.model_shape]
     max_model_len = max(args.long_prompt_len + args.long_output_len, 1024 + args.short_output_len)
     if max_model_len > cfg["max_position_embeddings"]:

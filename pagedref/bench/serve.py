@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from pagedref.bench.common import (SHAPES, add_output_flags, emit, environment, free_device, parse_or_replay,  # noqa: F401
-                                   pyplot, random_model_dir, save_figure, sharegpt_lengths, sync_device)
+                                   progress, pyplot, random_model_dir, save_figure, sharegpt_lengths, sync_device)
 from pagedref.bench.memory import BLOCK_SIZE, MAX_MODEL_LEN
 
 SYSTEMS = ("pagedref", "contiguous", "hf-static", "hf-continuous")
@@ -590,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     if args is None:
         return 0
     shapes, systems, device = check_args(parser, args)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731  progress on stderr, results on stdout
+    log = progress
     doc = {"benchmark": "serve", "command": "python -m pagedref.bench serve " + " ".join(argv if argv is not None else sys.argv[1:]),
            "environment": environment(device), "shapes": []}
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedref.bench.common import (SHAPES, add_output_flags, emit, environment, free_device, parse_or_replay, pyplot,
+from pagedref.bench.common import (SHAPES, add_output_flags, emit, environment, free_device, parse_or_replay, progress, pyplot,
                                    random_model_dir, save_figure, sync_device)
 
 METHODS = ("none", "ngram", "shallow", "self")
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             SpeculativeConfig.from_dict(json.loads(text))
         except (ValueError, TypeError) as err:  # (json.JSONDecodeError is a ValueError)
             parser.error(f"--speculative-config {text}: {err}")
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    log = progress
     input_len = args.input_len or (512 if device == "cuda" else 64)
     output_len = args.output_len or (256 if device == "cuda" else 32)
     if args.model is not None:
