@@ -134,6 +134,14 @@ def free_device(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
+    """Each named flag that is set (not None) is at least 1, or its usage error names the flag."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
 def progress(msg: str) -> None:
     """A benchmark's progress line, on stderr at once (its results go to stdout)."""
     print(msg, file=sys.stderr, flush=True)

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from pagedref.bench.common import (SHAPES, add_output_flags, emit, environment, free_device, parse_or_replay, progress, pyplot,
-                                   random_model_dir, save_figure, sharegpt_lengths, sync_device)
+from pagedref.bench.common import (SHAPES, add_output_flags, emit, environment, free_device, parse_or_replay, progress,
+                                   pyplot, random_model_dir, require_positive, save_figure, sharegpt_lengths, sync_device)
 
 # A long prompt every 0.5 s on average for the 30 s of chat arrivals: at the 8B shape on an H200 its
 # prefill takes ~0.3 s of the GPU, and with CUDA graphs a decode step ~15 ms, so the long prompts'
@@ -282,9 +282,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
     for u in unchunked:
         if u not in UNCHUNKED:
             parser.error(f"--unchunked {u!r}: choose from {', '.join(UNCHUNKED)}")
-    for flag in ("long_prompt_len", "num_short", "short_output_len", "long_output_len", "num_kv_blocks", "max_num_seqs"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    require_positive(parser, args, "long_prompt_len", "num_short", "short_output_len", "long_output_len", "num_kv_blocks",
+                     "max_num_seqs")
     if args.num_long < 0 or args.long_interval < 0 or not args.request_rate > 0:
         parser.error("--num-long and --long-interval must be >= 0 and --request-rate > 0")
     args.model_dir = args.model_dir or Path(tempfile.gettempdir())

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from pagedref.bench.common import (SHAPES, add_output_flags, emit, environment, parse_or_replay, progress, pyplot,
-                                   random_model_dir, save_figure)
+                                   random_model_dir, require_positive, save_figure)
 from pagedref.bench.memory import BLOCK_SIZE, MAX_MODEL_LEN
 from pagedref.bench.serve import NUM_PROMPTS, BenchRequest, engine_args, make_requests, run_pagedref
 
@@ -338,17 +338,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
         parser.error(f"--model {args.model}: not a model directory (no config.json)")
     if args.num_prompts is None:
         args.num_prompts = NUM_PROMPTS if device == "cuda" else 100
-    if args.num_prompts < 1:
-        parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    require_positive(parser, args, "num_prompts")
     if args.num_kv_blocks < 0:
         parser.error(f"--num-kv-blocks must be >= 0, got {args.num_kv_blocks}")
     if args.num_kv_blocks == 0 and device != "cuda":
         parser.error("--num-kv-blocks 0 (size the pool by profiling the GPU) needs --device cuda")
-    if args.max_num_seqs is not None and args.max_num_seqs < 1:
-        parser.error(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
-    for flag in ("input_len", "output_len", "max_concurrency", "max_num_batched_tokens"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    require_positive(parser, args, "max_num_seqs", "input_len", "output_len", "max_concurrency", "max_num_batched_tokens")
     if args.compare_offline and args.base_url is not None:
         parser.error("--compare-offline runs the offline benchmark here: it needs the server started here, not --base-url")
     return rates, device

@@ -47,7 +47,8 @@ from typing import Any
 import numpy as np
 
 from pagedref.bench.common import (SHAPES, add_output_flags, emit, environment, free_device, parse_or_replay,  # noqa: F401
-                                   progress, pyplot, random_model_dir, save_figure, sharegpt_lengths, sync_device)
+                                   progress, pyplot, random_model_dir, require_positive, save_figure, sharegpt_lengths,
+                                   sync_device)
 from pagedref.bench.memory import BLOCK_SIZE, MAX_MODEL_LEN
 
 SYSTEMS = ("pagedref", "contiguous", "hf-static", "hf-continuous")
@@ -495,14 +496,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
         args.hf_time_limit = 30.0 if args.quick else 100.0
     if args.hf_time_limit <= 0:
         parser.error(f"--hf-time-limit must be > 0, got {args.hf_time_limit}")
-    for flag in ("num_prompts", "hf_batch_size"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.max_num_seqs is not None and args.max_num_seqs < 1:
-        parser.error(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
-    for flag in ("input_len", "output_len", "max_num_batched_tokens"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    require_positive(parser, args, "num_prompts", "hf_batch_size", "max_num_seqs", "input_len", "output_len",
+                     "max_num_batched_tokens")
     if args.num_kv_blocks < 0:
         parser.error(f"--num-kv-blocks must be >= 0, got {args.num_kv_blocks}")
     if args.num_kv_blocks == 0 and device == "cpu":
