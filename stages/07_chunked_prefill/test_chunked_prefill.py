@@ -163,6 +163,26 @@ def test_step6_prefix_cache_hits_skip_tokens_already_computed():
         "stage 7: a request's first admission records its prompt tokens found in the cache (num_cached_tokens, which " \
         "RequestOutput reports) and when it was first scheduled"
 
+    # Only the first: a request preempted (recompute) and admitted again keeps what its first admission found.
+    s = make_scheduler(budget=64, num_blocks=6, caching=True)
+    x = make_seq(4, list(range(300, 308)))
+    group = SequenceGroup("r5", None, list(range(200, 208)), params)
+    e = Sequence(5, "r5", list(range(200, 208)), 8, params, group=group)
+    group.seqs = [e]
+    s.add(x)
+    advance(s, s.schedule())
+    s.add(e)
+    advance(s, s.schedule())
+    while e.status is SequenceStatus.RUNNING:  # x and e decode until the 6 blocks run out: e, the newest, goes
+        advance(s, s.schedule())
+    s.finish(x, SequenceStatus.FINISHED_STOPPED)
+    out = s.schedule()
+    assert batch(out) == [(5, 4)] and out.scheduled[0].num_computed_tokens == 8, \
+        "stage 7: e, preempted by recompute, comes back with its 2 full blocks of 12 tokens found in the cache"
+    assert group.num_cached_tokens == 0, \
+        "stage 7: num_cached_tokens is recorded at a request's first admission only (it found nothing cached then), " \
+        f"not again when it is readmitted after a preemption (got {group.num_cached_tokens})"
+
 
 def test_step7_a_partly_prefilled_prompt_swapped_out_comes_back_with_its_next_chunk():
     bm = BlockManager(4, 4, max_model_len=64, enable_prefix_caching=False, num_cpu_blocks=4)
