@@ -146,50 +146,16 @@ def prefill_v3_stages(head_dim: int) -> int:
 
 def prefill_v3_shared_bytes(head_dim: int, stages: int | None = None) -> int:
     """Dynamic shared memory of prefill v3: the query tile, `stages` K and V tiles, 1 KB of alignment
-    slack (the swizzle atoms start on 1024-byte boundaries), two mbarriers per stage and two for Q."""
+    slack (the swizzle atoms start on 1024-byte boundaries) and two mbarriers per stage."""
     stages = stages or prefill_v3_stages(head_dim)
-    return (PREFILL_V3_ROWS + 2 * stages * PREFILL_V3_KEY_TILE) * head_dim * 2 + 1024 + 16 * stages + 16
-
-
-@dataclass(frozen=True)
-class PrefillV3Schedule:
-    """Prefill v3's schedule knobs (cuda/paged_prefill_hopper.cu): none changes a row's arithmetic, so
-    every schedule gives the same bits. persistent: at most one CTA per SM, each walking work items of
-    128 query rows (dealt in a snake, longest first), the next item's loads under the current one's
-    last tiles; else one CTA per item. overlap: 0 one key tile at a time, 1 S_t issued with P_{t-1} V_{t-1},
-    2 FA3's intra-warpgroup overlap (the softmax of S_t under P_{t-1} V_{t-1}). pingpong: the two
-    consumers take turns issuing mmas. q_prefetch: the producer asks L2 for the next item's query rows."""
-
-    stages: int | None = None  # KV ring depth; None: prefill_v3_stages(head_dim)
-    persistent: bool = True
-    overlap: int = 0
-    pingpong: bool = False
-    q_prefetch: bool = False
-
-
-# Prefill v3's schedules the benchmark can time side by side (`bench kernel --prefill-schedules`) and
-# CI compiles at bfloat16 / 128 / 16; default first.
-PREFILL_V3_SCHEDULES: dict[str, PrefillV3Schedule] = {
-    "default": PrefillV3Schedule(),
-    "one CTA per item": PrefillV3Schedule(persistent=False),
-    "q prefetch": PrefillV3Schedule(q_prefetch=True),
-    "overlap 1": PrefillV3Schedule(overlap=1),
-    "overlap 2": PrefillV3Schedule(overlap=2),
-    "pingpong": PrefillV3Schedule(pingpong=True),
-    "overlap 2 pingpong": PrefillV3Schedule(overlap=2, pingpong=True),
-    "overlap 2 pingpong q prefetch": PrefillV3Schedule(overlap=2, pingpong=True, q_prefetch=True),
-    "one CTA per item overlap 2": PrefillV3Schedule(persistent=False, overlap=2),
-    "one CTA per item pingpong": PrefillV3Schedule(persistent=False, pingpong=True),
-    "one CTA per item overlap 2 pingpong": PrefillV3Schedule(persistent=False, overlap=2, pingpong=True),
-}
+    return (PREFILL_V3_ROWS + 2 * stages * PREFILL_V3_KEY_TILE) * head_dim * 2 + 1024 + 16 * stages
 
 
 def prefill_config(dtype: str, head_dim: int, block_size: int, version: int = 1,
-                   stages: int | None = None, schedule: PrefillV3Schedule = PrefillV3Schedule()) -> KernelConfig:
+                   stages: int | None = None) -> KernelConfig:
     """Prefill v1 (CUDA cores, every shape), v2 (tensor cores: -DPREFILL_MMA=1, mma_supported only) or
-    v3 (sm_90a: PREFILL_V3_HEAD_DIMS, 16-bit; `stages` of its KV ring, None: the schedule's, else
-    prefill_v3_stages; `schedule`'s kernel knobs). Stages and schedule change the order of work only,
-    never the arithmetic: every v3 config gives the same bits."""
+    v3 (sm_90a: PREFILL_V3_HEAD_DIMS, 16-bit; `stages` of its KV ring, None: prefill_v3_stages). The
+    stages change the schedule only, never the arithmetic: every v3 config gives the same bits."""
     if version not in (1, 2, 3):
         raise ValueError(f"prefill version must be 1, 2 or 3, got {version}")
     defines = (("PR_DTYPE", DTYPE_CODES[dtype]), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size))
@@ -199,12 +165,8 @@ def prefill_config(dtype: str, head_dim: int, block_size: int, version: int = 1,
         if ELEM_SIZE[dtype] != 2 or head_dim not in PREFILL_V3_HEAD_DIMS:
             raise ValueError(f"prefill v3 takes float16/bfloat16 with head_dim in {PREFILL_V3_HEAD_DIMS}, got "
                              f"{dtype} with head_dim {head_dim}")
-        if schedule.overlap not in (0, 1, 2):
-            raise ValueError(f"prefill v3's overlap is 0, 1 or 2, got {schedule.overlap}")
-        stages = stages or schedule.stages or prefill_v3_stages(head_dim)
-        return KernelConfig("paged_prefill_hopper.cu", (
-            *defines, ("KV_STAGES", stages), ("V3_OVERLAP", schedule.overlap),
-            ("V3_PINGPONG", int(schedule.pingpong)), ("V3_QPREFETCH", int(schedule.q_prefetch))), PREFILL_V3_ARCH)
+        return KernelConfig("paged_prefill_hopper.cu",
+                            (*defines, ("KV_STAGES", stages or prefill_v3_stages(head_dim))), PREFILL_V3_ARCH)
     if not mma_supported(ELEM_SIZE[dtype], head_dim):
         raise ValueError(f"the tensor-core prefill kernel (v2) takes float16/bfloat16 with head_dim in "
                          f"{MMA_HEAD_DIMS}, got {dtype} with head_dim {head_dim}")
@@ -216,7 +178,7 @@ CACHE_OPS = KernelConfig("cache_ops.cu")
 
 def ci_configs() -> list[KernelConfig]:
     """What CI compiles: every dtype x head_dim x block_size (and decode v3 / prefill v2 / v3 where they apply), every
-    heads-per-CTA at bf16/128/16, every candidate tuning, every prefill v3 schedule."""
+    heads-per-CTA at bf16/128/16, every candidate tuning."""
     grid = itertools.product(DTYPE_CODES, SUPPORTED_HEAD_DIMS, SUPPORTED_BLOCK_SIZES)
     configs = [CACHE_OPS]
     for dtype, head_dim, block_size in grid:
@@ -230,7 +192,6 @@ def ci_configs() -> list[KernelConfig]:
     configs += [decode_config("bfloat16", 128, 16, g, t) for g in (1, 2, 3, 5, 6, 7, 8)
                 for t in (DecodeTuning(), MmaTuning())]
     configs += [decode_config(dtype, 128, 16, 4, t) for dtype in ("float16", "bfloat16") for t in CANDIDATES.values()]
-    configs += [prefill_config("bfloat16", 128, 16, 3, schedule=s) for s in PREFILL_V3_SCHEDULES.values()]
     configs += [KernelConfig("fused_ops.cu", (("PR_DTYPE", code),)) for code in DTYPE_CODES.values()]  # kernels.fused
     return list(dict.fromkeys(configs))  # each once, in order
 

@@ -131,8 +131,7 @@ def _decode_kernel(version: int, tuning, elem_size: int, head_dim: int):
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                   max_query_len: int | None = None, max_context_len: int | None = None,
-                  out: torch.Tensor | None = None, version: int | None = None,
-                  schedule: build.PrefillV3Schedule | None = None, check: bool = True) -> torch.Tensor:
+                  out: torch.Tensor | None = None, version: int | None = None, check: bool = True) -> torch.Tensor:
     """Prefill / chunked prefill: each sequence's query rows attend causally to its context.
 
     q [num_tokens, num_heads, head_dim]; query_start_loc [num_seqs + 1] int32; the rows of sequence
@@ -141,8 +140,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     bfloat16 at vLLM's head sizes, splitk.MMA_HEAD_DIMS), 3 on Hopper's wgmma (float16 / bfloat16 at
     head_dim 64 or 128 on an sm_90 device); a version that does not apply runs the next one down, and
     None (the default) asks for the fastest: 3 -> 2 -> 1, a choice made from the model's shapes and
-    the device, never from the batch. `schedule` (v3 only; None: the default) orders v3's work without
-    changing a bit, exposed for benchmark experiments only: never chosen from the batch.
+    the device, never from the batch.
     """
     shape = validate.check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if version not in (None, *PREFILL_VERSIONS):
@@ -163,15 +161,15 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         validate.check_out(out, q)
     if shape.num_seqs == 0 or q.shape[0] == 0:
         return out
+    # The version's kernel, query rows per CTA, threads per CTA and dynamic shared memory.
     if version == 3:
-        _launch_prefill_v3(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, shape,
-                           max_query_len, schedule or build.PrefillV3Schedule())
-        return out
-    # The version's kernel, query rows per CTA and dynamic shared memory.
-    if version == 2:
-        name, rows, smem = "paged_prefill_v2", PREFILL_MMA_ROWS, prefill_mma_shared_bytes(shape.head_dim)
+        name, rows, threads = "paged_prefill_v3", build.PREFILL_V3_ROWS, build.PREFILL_V3_THREADS
+        smem = build.prefill_v3_shared_bytes(shape.head_dim)
+    elif version == 2:
+        name, rows, threads = "paged_prefill_v2", PREFILL_MMA_ROWS, NUM_THREADS
+        smem = prefill_mma_shared_bytes(shape.head_dim)
     else:
-        name, rows = "paged_prefill", PREFILL_ROWS
+        name, rows, threads = "paged_prefill", PREFILL_ROWS, NUM_THREADS
         smem = 4 * (PREFILL_ROWS * shape.head_dim + 32 * (shape.head_dim + 4))
     if max_query_len > _MAX_GRID_YZ * rows:
         raise ValueError(f"max_query_len = {max_query_len} is above the {_MAX_GRID_YZ * rows} one launch covers")
@@ -180,32 +178,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _launch(config, name, q.device, grid,
             (_ptr(out), _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(context_lens),
              _ptr(query_start_loc), np.int32(shape.max_blocks), np.int32(shape.num_heads),
-             np.int32(shape.num_kv_heads), np.float32(scale)), shared_mem=smem)
+             np.int32(shape.num_kv_heads), np.float32(scale)), shared_mem=smem, threads=threads)
     return out
-
-
-def _launch_prefill_v3(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, shape,
-                       max_query_len: int, schedule: build.PrefillV3Schedule) -> None:
-    """Prefill v3 over work items of 128 query rows (num_seqs x num_heads x query tiles): one CTA per
-    item, or with schedule.persistent at most one per SM walking items (either way a row's bits are
-    the same: the same tile grid, the same arithmetic in the same order)."""
-    q_tiles = -(-max_query_len // build.PREFILL_V3_ROWS)
-    items = shape.num_seqs * shape.num_heads * q_tiles
-    if items >= 2**31:
-        raise ValueError(f"{items} prefill work items (sequences x heads x 128-row tiles); at most 2**31 - 1")
-    config = build.prefill_config(_dtype_name(q), shape.head_dim, shape.block_size, 3, schedule=schedule)
-    grid = min(items, _num_sms(q.device)) if schedule.persistent else items
-    _launch(config, "paged_prefill_v3", q.device, (grid,),
-            (_ptr(out), _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(context_lens),
-             _ptr(query_start_loc), np.int32(shape.max_blocks), np.int32(shape.num_heads),
-             np.int32(shape.num_kv_heads), np.float32(scale), np.int32(shape.num_seqs), np.int32(q_tiles)),
-            shared_mem=build.prefill_v3_shared_bytes(shape.head_dim, schedule.stages),
-            threads=build.PREFILL_V3_THREADS)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)

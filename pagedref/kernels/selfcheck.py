@@ -21,12 +21,8 @@ import torch
 
 from pagedref import kernels
 from pagedref.kernels import testing
-from pagedref.kernels.build import PrefillV3Schedule
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
-# Prefill v3's schedules beside the default: one CTA per work item, each overlap, ping-pong, the Q prefetch.
-V3_SCHEDULES = [PrefillV3Schedule(persistent=False), PrefillV3Schedule(overlap=1),
-                PrefillV3Schedule(overlap=2, pingpong=True), PrefillV3Schedule(pingpong=True, q_prefetch=True)]
 
 
 def run_prefill(p: testing.PagedProblem, **kw) -> torch.Tensor:
@@ -75,9 +71,6 @@ def check_attention(head_dims: set[int] | None = None, only: str | None = None) 
                                    head_dim=head_dim, block_size=block_size, dtype=dtype)
         runs += [(f"prefill v3 {dtype} head_dim={head_dim} block_size={block_size}", pre,
                   lambda p=pre: run_prefill(p, version=3))]
-        if head_dim == 128 and block_size == 16:  # the other schedules of the same kernel (build.PrefillV3Schedule)
-            runs += [(f"prefill v3 {dtype} head_dim={head_dim} {s}", pre, lambda p=pre, s=s: run_prefill(p, version=3, schedule=s))
-                     for s in V3_SCHEDULES]
     # vLLM's other head sizes: v3's partial K pieces and V bands (80: 16 + 16; 96: 32; 112: 16 + 32 +
     # 16; 120: 16 + 8 and 32 + 16 + 8; 192: three whole bands at 2 CTAs/SM), prefill v2's padding to
     # 128 (120) and its query in shared memory (192); float32 on CUDA cores at 120.
