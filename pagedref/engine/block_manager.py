@@ -6,7 +6,9 @@ not have: the CPU swap pool that preemption by swapping copies blocks into. It n
 tensors itself: every operation returns what the model runner needs from it, computed once, where
 the memory layer computed it: the slot mapping of the tokens it gave slots to, and the block copies
 to make before the step's forward (swap out, copy-on-write, swap in; in that order). A prompt is
-looked up in the prefix cache once per admission (`lookup`, then `can_allocate` / `allocate` with it).
+looked up in the prefix cache once per admission (`lookup`, then `can_allocate` / `allocate` with it);
+a running sequence grows in one call (`append_slots`, None when the pool is short), not a check and
+then an append: every step makes that call for every decode.
 
 `ContiguousBlockManager` is stage 1's baseline behind the same interface: each sequence reserves
 max_model_len slots (rounded up to whole blocks) at admission, first fit in one arena of the same
@@ -21,7 +23,7 @@ and no device block; when no sequence is left, every device and CPU block is fre
 from __future__ import annotations
 
 from pagedref.engine.sequence import Sequence
-from pagedref.memory.block_allocator import BlockAllocator
+from pagedref.memory.block_allocator import BlockAllocator, NoFreeBlocksError
 from pagedref.memory.block_table import cdiv
 from pagedref.memory.contiguous import ContiguousKVCache
 from pagedref.memory.sharing import KVCacheManager, PrefixHit
@@ -85,14 +87,20 @@ class BlockManager:
         (No watermark: it only holds back admissions.)"""
         return self.kv.can_append(seq.seq_id, num_new_tokens)
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> tuple[list[int], list[tuple[int, int]]] | None:
         """Slots for the sequence's next num_new_tokens tokens (the last may be a placeholder, not known yet).
-        Returns (their slot mapping, copy-on-write (src, dst) pairs)."""
-        start = self.kv.num_tokens(seq.seq_id)
+        Returns (their slot mapping, copy-on-write (src, dst) pairs), or None when the pool is short: then
+        nothing changed, and the scheduler frees blocks (preempts) and asks again. Checking and appending
+        are one call (vLLM's allocate_slots): asking can_append first would walk the same path twice for
+        every decode, and most decodes take no block and copy nothing."""
+        start = seq.num_computed_tokens  # (the invariant: it holds the slots of its computed tokens, and no more)
         tokens = seq.token_ids[start:start + num_new_tokens]
         if len(tokens) < num_new_tokens:  # a token its step in flight is still sampling (async scheduling)
             tokens = tokens + [None] * (num_new_tokens - len(tokens))
-        return self.kv.append_slots(seq.seq_id, tokens)
+        try:
+            return self.kv.append_slots(seq.seq_id, tokens)
+        except NoFreeBlocksError:  # (stage 4's append is all or nothing: the pool and the table are unchanged)
+            return None
 
     def set_token(self, seq: Sequence, pos: int) -> None:
         """Its token at pos, which had a slot before it was known, is known now (for the prefix cache)."""
@@ -107,8 +115,8 @@ class BlockManager:
         return seq.seq_id in self.kv.seqs
 
     def block_ids(self, seq: Sequence) -> list[int]:
-        """Its block table: device blocks in logical order."""
-        return self.kv.block_ids(seq.seq_id)
+        """Its block table: device blocks in logical order (the memory layer's list, not a copy)."""
+        return self.kv.seqs[seq.seq_id].table.block_ids  # (KeyError: it holds none; every step asks it per sequence)
 
     def free(self, seq: Sequence) -> None:
         """Give back everything the sequence holds, on the device or in the swap pool (if it holds
@@ -240,8 +248,8 @@ class ContiguousBlockManager:
         r = self.arena.reservations[seq.seq_id]
         return r.num_tokens + num_new_tokens <= r.capacity  # always, below max_model_len: never preempts
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
-        """The reservation's next slots; never a copy."""
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """The reservation's next slots; never a copy, never None (a reservation always has room)."""
         return list(self.arena.append(seq.seq_id, num_tokens=num_new_tokens)), []
 
     def set_token(self, seq: Sequence, pos: int) -> None:

@@ -111,8 +111,10 @@ class ModelRunnerOutput:
         self._prompt_logits, self._prompt_spans = prompt_logits, prompt_spans  # [P, vocab]: rows in span order
         self._spec_tokens, self._spec_entries, self._spec_offset = spec_tokens, spec_entries or [], spec_offset
         # the step's logits [R, vocab] outlive it only where a sequence reads them (logprobs, recorded logits)
-        wanted = any(seq.params.logprobs is not None or seq.logits is not None
-                     for seq in seqs + [e.seq for e in self._spec_entries])
+        self._asks_logprobs = any([seq.params.logprobs is not None for seq in seqs])
+        self._records_logits = any([seq.logits is not None for seq in seqs])
+        wanted = self._asks_logprobs or self._records_logits or any(
+            e.seq.params.logprobs is not None or e.seq.logits is not None for e in self._spec_entries)
         self._logits = logits if wanted else None
         self._event = None
         if tokens.device.type == "cuda":  # the host copy goes in the background; token_ids waits for it
@@ -132,7 +134,7 @@ class ModelRunnerOutput:
     @functools.cached_property
     def logprobs(self) -> list[tuple[float, dict[int, Logprob]] | None] | None:
         """(logprob of the sampled token, {token: Logprob} of it and the k most likely), where the sequence asked."""
-        if all(seq.params.logprobs is None for seq in self._seqs):
+        if not self._asks_logprobs:
             return None
         return [None if seq.params.logprobs is None else row_logprobs(self._logits[row], token, seq.params.logprobs)
                 for row, seq, token in zip(self._rows, self._seqs, self.token_ids)]
@@ -172,7 +174,7 @@ class ModelRunnerOutput:
     @functools.cached_property
     def logits(self) -> list[torch.Tensor | None] | None:
         """Each sampled token's logits row [vocab] float32 on the CPU, where the sequence records them."""
-        if all(seq.logits is None for seq in self._seqs):
+        if not self._records_logits:
             return None
         return [None if seq.logits is None else self._logits[row].detach().cpu().clone()
                 for row, seq in zip(self._rows, self._seqs)]
@@ -247,57 +249,68 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput, prev: ModelRunnerOutput | None = None) -> StepInput:
         """The step's inputs and its AttentionMetadata, built once for every layer.
 
-        Built in plain Python lists from the scheduler's slices, then one tensor per field: with
-        hundreds of sequences a step, small per-sequence numpy/torch ops (each ~1-3 us of call
-        overhead) cost more than the work."""
-        ids, positions, slots, query_lens, context_lens, tables = [], [], [], [], [], []
-        sample_rows, logit_rows, sample_seqs, in_flight_rows, in_flight_src = [], [], [], [], []
-        prompt_rows, prompt_spans = [], []
-        spec_rows, spec_entries = [], []
-        num_rows = 0
-        for s in sched.scheduled:
-            n, start = s.num_new_tokens, s.num_computed_tokens
+        Built in bulk from the scheduler's entries: one list comprehension per field, numpy for the
+        arithmetic (query offsets, positions, context lengths, the padded block tables), then one tensor
+        per field. With hundreds of sequences a step, a Python loop appending to a dozen lists per
+        sequence, or small per-sequence numpy/torch ops (~1-3 us of call overhead each), costs more than
+        the work. The rows only a prefill chunk or a speculative entry has (prompt logprobs, verified
+        drafts) are looked for among those entries alone."""
+        scheduled = sched.scheduled
+        num_seqs = len(scheduled)
+        query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)  # [S]
+        starts = np.array([s.num_computed_tokens for s in scheduled], dtype=np.int64)  # [S] each one's first position
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)  # [S + 1] where each sequence's rows start
+        np.cumsum(query_lens, out=qsl[1:])
+        num_rows = int(qsl[-1])
+        if num_rows == num_seqs:  # one token each (decodes: most steps): no ranges to join
+            ids = [s.token_ids[0] for s in scheduled]
+            slots = [s.slot_mapping[0] for s in scheduled]
+            positions = starts
+        else:  # row r of sequence i is at position starts[i] + r - qsl[i]
+            ids = list(itertools.chain.from_iterable([s.token_ids for s in scheduled]))
+            slots = list(itertools.chain.from_iterable([s.slot_mapping for s in scheduled]))
+            positions = np.arange(num_rows, dtype=np.int64) + np.repeat(starts - qsl[:-1], query_lens)
+        context_lens = starts + query_lens  # [S]
+        # [S, max_blocks] int32, rows padded with -1: every table's ids in one boolean-mask assignment
+        tables = [s.block_ids for s in scheduled]
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
+        block_tables = np.full((num_seqs, int(lens.max())), -1, dtype=np.int32)
+        block_tables[np.arange(block_tables.shape[1]) < lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+        # the last row of each sequence whose known tokens are now all computed samples (for it, or its n)
+        samplers = [s.sample_seqs for s in scheduled]
+        sampling = [i for i, seqs in enumerate(samplers) if seqs]
+        sample_rows = (qsl[1:][sampling] - 1).tolist()
+        sample_seqs = list(itertools.chain.from_iterable(samplers))
+        logit_rows = list(range(len(sampling))) if len(sample_seqs) == len(sampling) else [
+            j for j, i in enumerate(sampling) for _ in samplers[i]]  # n samples share their row
+        prompt_rows, prompt_spans, spec_rows, spec_entries = [], [], [], []
+        others = [] if num_rows == len(sampling) else [  # (none in a step of decodes only)
+            i for i, s in enumerate(scheduled) if s.num_new_tokens > 1 or not s.sample_seqs]
+        for i in others:  # prefill chunks and speculative entries: rows a decode does not have
+            s = scheduled[i]
+            n, start, first = s.num_new_tokens, s.num_computed_tokens, int(qsl[i])
             last = s.seq.num_prompt_tokens - 1  # the last prompt row predicts a generated token, not a prompt one
             if s.seq.params.prompt_logprobs is not None and start < last:  # rows start.. predict tokens start + 1..
                 count = min(n, last - start)
-                prompt_rows.extend(range(num_rows, num_rows + count))
+                prompt_rows.extend(range(first, first + count))
                 prompt_spans.append((s.seq, start + 1, count))
-            if s.prev_sample_index >= 0:  # a decode whose input the step in flight is sampling: read on the device
-                in_flight_rows.append(num_rows)
-                in_flight_src.append(s.prev_sample_index)
-            if n == 1:  # a decode, most rows of most steps: no ranges
-                ids.append(s.token_ids[0])
-                positions.append(start)
-                slots.append(s.slot_mapping[0])
-            else:
-                ids.extend(s.token_ids)
-                positions.extend(range(start, start + n))
-                slots.extend(s.slot_mapping)
-            query_lens.append(n)
-            context_lens.append(start + n)
-            tables.append(s.block_ids)
-            num_rows += n
-            if s.sample_seqs:  # everything known is computed: this row samples (for one sequence, or n)
-                logit_rows.extend([len(sample_rows)] * len(s.sample_seqs))
-                sample_rows.append(num_rows - 1)
-                sample_seqs.extend(s.sample_seqs)
-            elif s.num_draft_tokens:  # speculative decoding: every one of its k + 1 rows is scored
-                spec_rows.extend(range(num_rows - n, num_rows))
+            if s.num_draft_tokens:  # speculative decoding: every one of its k + 1 rows is scored
+                spec_rows.extend(range(first, first + n))
                 spec_entries.append(s)
-        # [num_seqs, max_blocks] int32, rows padded with -1: every table's ids in one go, in row order
-        # (one boolean-mask assignment instead of a numpy call per sequence)
-        lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-        block_tables = np.full((len(tables), int(lens.max())), -1, dtype=np.int32)
-        block_tables[np.arange(block_tables.shape[1]) < lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
-        qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=qsl[1:])
+        in_flight_rows = in_flight_src = None
+        if prev is not None:  # async scheduling: decodes whose input the step in flight is sampling, read on the device
+            src = np.array([s.prev_sample_index for s in scheduled], dtype=np.int64)
+            waiting = np.flatnonzero(src >= 0)
+            if waiting.size:
+                in_flight_rows, in_flight_src = qsl[waiting].tolist(), src[waiting].tolist()
         host = StepInput(
-            input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.tensor(positions, dtype=torch.int64),
+            input_ids=torch.from_numpy(np.array(ids, dtype=np.int64)), positions=torch.from_numpy(positions),
             meta=AttentionMetadata(
-                slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc=torch.from_numpy(qsl),
-                context_lens=torch.tensor(context_lens, dtype=torch.int32), block_tables=torch.from_numpy(block_tables),
-                max_query_len=max(query_lens), max_context_len=max(context_lens), block_size=self.block_size),
+                slot_mapping=torch.from_numpy(np.array(slots, dtype=np.int64)),
+                query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
+                context_lens=torch.from_numpy(context_lens.astype(np.int32)), block_tables=torch.from_numpy(block_tables),
+                max_query_len=int(query_lens.max()), max_context_len=int(context_lens.max()), block_size=self.block_size),
             sample_rows=sample_rows, logit_rows=logit_rows, sample_seqs=sample_seqs, prompt_rows=prompt_rows,
             prompt_spans=prompt_spans, spec_rows=spec_rows, spec_entries=spec_entries)
         if self.device.type == "cpu":
@@ -313,7 +326,7 @@ class ModelRunner:
     def _upload(self, x) -> torch.Tensor:
         """A host list or tensor on the device. On CUDA through pinned memory, without a sync (a plain
         copy from pageable memory waits for the GPU: the host would stop overlapping it)."""
-        t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.int64)
+        t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x, dtype=np.int64))  # (4x torch.tensor's speed)
         if self.device.type == "cpu":
             return t
         return t.pin_memory().to(self.device, non_blocking=True)

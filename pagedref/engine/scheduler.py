@@ -223,30 +223,31 @@ class Scheduler:
         draft (speculative decoding), n - 1 of them are its draft tokens: computed, but counted only once
         update() accepts them, and no placeholder (the step's tokens are verified, not sampled)."""
         start, tokens = seq.num_computed_tokens, seq.token_ids
-        known = len(tokens)
-        entry = ScheduledSequence(seq, n, start, tokens[start:start + n], self.block_manager.block_ids(seq), slots, [])
+        known, end = len(tokens), start + n
+        entry = ScheduledSequence(seq, n, start, tokens[start:end], self.block_manager.block_ids(seq), slots, [])
+        step.out.scheduled.append(entry)
+        step.scheduled_ids.add(seq.seq_id)
+        step.budget -= n
         if draft is not None:
             k = entry.num_draft_tokens = n - 1
             entry.token_ids = entry.token_ids + draft.token_ids[:k]
             entry.draft_probs = None if draft.probs is None else draft.probs[:k]
             seq.num_computed_tokens = known
-            step.out.scheduled.append(entry)
-            step.scheduled_ids.add(seq.seq_id)
-            step.budget -= n
             return
-        if start + n > known:  # its last token is in flight: a decode whose input the runner reads on the device
+        if end > known:  # its last token is in flight: a decode whose input the runner reads on the device
             assert n == 1 and step.prev_index is not None, "only a decode can wait on a token in flight"
             entry.token_ids, entry.prev_sample_index = [0], step.prev_index[seq.seq_id]
-        seq.num_computed_tokens = start + n
-        if start + n == known + seq.num_placeholders:  # all known: its last row samples
+        seq.num_computed_tokens = end
+        if end == known + seq.num_placeholders:  # all known: its last row samples
             group = seq.group
-            forks = group is not None and group.n > 1 and not group.forked
-            entry.sample_seqs = group.seqs if forks else [seq]
-            if not forks and (group is None or group.beam is None) and not self.stop_checker.ends_by_length(seq, 1):
-                seq.num_placeholders += 1  # an ordinary next token: the next step may decode it before it is known
-        step.out.scheduled.append(entry)
-        step.scheduled_ids.add(seq.seq_id)
-        step.budget -= n
+            if group is None or (group.beam is None and (group.forked or group.n == 1)):  # an ordinary next token
+                entry.sample_seqs = [seq]
+                if not self.stop_checker.ends_by_length(seq, 1):
+                    seq.num_placeholders += 1  # the next step may decode it before it is known (async scheduling)
+            elif group.beam is None:  # n > 1: the prompt samples its n first tokens, and update forks it
+                entry.sample_seqs = group.seqs
+            else:  # a beam's candidates: known only when its round is ranked
+                entry.sample_seqs = [seq]
 
     def _schedule_running(self, step: _Step) -> None:
         """1. Running: decodes first, then the next chunk of each partly prefilled prompt."""
@@ -274,15 +275,17 @@ class Scheduler:
                     n += k
                 else:
                     draft = None
-            while not self.block_manager.can_append(seq, n):
-                if self._reclaim_idle(step):  # idle beams give their blocks back first
+            # one call checks the room and takes it (None: the pool is short, nothing taken): then idle beams
+            # give their blocks back first, else the newest running sequence not yet scheduled is preempted
+            while (appended := self.block_manager.append_slots(seq, n)) is None:
+                if self._reclaim_idle(step):
                     continue
                 victim = self._pick_victim(seq, step.scheduled_ids)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                slots, copies = self.block_manager.append_slots(seq, n)
+                slots, copies = appended
                 out.blocks_to_copy += copies
                 self._take(step, seq, n, slots, draft)
 
@@ -382,15 +385,15 @@ class Scheduler:
             raise RuntimeError("update() takes the scheduled steps in the order schedule() returned them")
         self.in_flight.popleft()
         self._record_prompt_logprobs(sampled.prompt_logprobs)
-        token_ids = sampled.token_ids
-        advanced: dict[int, SequenceGroup] = {}
+        token_ids, logprobs, logits = sampled.token_ids, sampled.logprobs, sampled.logits
+        advanced: dict[SequenceGroup, None] = {}  # (a group's n sequences advance it once)
         i = spec = 0
         for entry in out.scheduled:
             if entry.num_draft_tokens:  # speculative decoding: the target's verdict on the drafts
                 self._verify(entry, sampled, spec)
                 spec += 1
                 if entry.seq.group is not None:
-                    advanced[id(entry.seq.group)] = entry.seq.group
+                    advanced[entry.seq.group] = None
                 continue
             seqs, first = entry.sample_seqs, i
             i += len(seqs)
@@ -400,14 +403,15 @@ class Scheduler:
             group = parent.group
             if group is not None and group.beam is not None:
                 self._report_beam(group, parent, sampled, first)
-            else:
-                if len(seqs) > 1:  # the prompt's prefill has sampled its n first tokens: n sequences from here
-                    self._fork_samples(group, parent)
+            elif len(seqs) == 1:  # most entries: one sequence, its next token
+                self._append(parent, token_ids[first], logprobs, logits, first)
+            else:  # the prompt's prefill has sampled its n first tokens: n sequences from here
+                self._fork_samples(group, parent)
                 for j, seq in enumerate(seqs):
-                    self._append(seq, token_ids[first + j], sampled, first + j)
+                    self._append(seq, token_ids[first + j], logprobs, logits, first + j)
             if group is not None:
-                advanced[id(group)] = group
-        return list(advanced.values())
+                advanced[group] = None
+        return list(advanced)
 
     def _record_prompt_logprobs(self, spans) -> None:
         """The prompt tokens' logprobs of the chunks just computed, into their requests (a position computed
@@ -421,15 +425,16 @@ class Scheduler:
                     self._name_tokens(top)
                     group.prompt_logprobs[pos] = top
 
-    def _append(self, seq: Sequence, token: int, sampled: SampledTokens, i: int) -> None:
-        """The sampled token joins the sequence (its placeholder, if it had one); then the stop rules."""
+    def _append(self, seq: Sequence, token: int, logprobs: list | None, logits: list | None, i: int) -> None:
+        """The sampled token (entry i of the step's) joins the sequence, in its placeholder if it had one;
+        then the stop rules."""
         seq.token_ids.append(token)
         if seq.num_placeholders:
             seq.num_placeholders -= 1
-            pos = seq.num_tokens - 1
+            pos = len(seq.token_ids) - 1
             if seq.num_computed_tokens > pos and seq.status is SequenceStatus.RUNNING:  # its slot was given unknown
                 self.block_manager.set_token(seq, pos)
-        self._took(seq, sampled.logprobs, sampled.logits, i)
+        self._took(seq, logprobs, logits, i)
 
     def _took(self, seq: Sequence, logprobs: list, logits: list, i: int) -> bool:
         """A token just joined the sequence: count it, keep its logprobs and logits (entry i of the
@@ -542,11 +547,14 @@ class Scheduler:
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """The sequence is done (or aborted): it leaves its queue and its blocks are freed now."""
+        if seq.status is SequenceStatus.RUNNING:  # (a running sequence is in running: one scan, not two)
+            self.running.remove(seq)
+        else:  # waiting or swapped; or in no queue (an idle beam whose blocks were taken back)
+            for queue in (self.waiting, self.swapped):
+                if seq in queue:
+                    queue.remove(seq)
+                    break
         seq.status = status
-        for queue in (self.running, self.waiting, self.swapped):
-            if seq in queue:
-                queue.remove(seq)
-                break
         self.block_manager.free(seq)
         if self.proposer is not None:  # a draft model's blocks for it go too
             self.proposer.free(seq)

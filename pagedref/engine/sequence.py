@@ -41,7 +41,7 @@ def next_seq_id() -> int:
     return next(_seq_ids)
 
 
-class SequenceStatus(enum.Enum):
+class SequenceStatus(enum.IntEnum):  # (int members: the update of every step looks them up, see is_finished)
     WAITING = enum.auto()  # holds no blocks: new, or preempted by recompute
     RUNNING = enum.auto()  # holds blocks in the device pool (prefilling or decoding)
     SWAPPED = enum.auto()  # preempted by swap: its blocks wait in the CPU swap pool
@@ -172,7 +172,12 @@ class SequenceGroup:
         """Beam search: its last round is ranked. Otherwise all n sequences (forked after the prefill) are finished."""
         if self.beam is not None:
             return self.beam.done
-        return (self.n == 1 or self.forked) and all(s.is_finished for s in self.seqs)
+        if self.n > 1 and not self.forked:
+            return False
+        for seq in self.seqs:  # (a loop, not all() over a generator: the engine asks every request each step)
+            if not seq.status.is_finished:
+                return False
+        return True
 
 
 @dataclass

@@ -96,8 +96,9 @@ class BlockTable:
             raise MaxModelLenError(
                 f"appending {num_new_tokens} tokens to {self.num_tokens} would exceed max_model_len={self.max_model_len}"
             )
-        need = self.num_new_blocks(num_new_tokens)
-        if need:  # (most decode steps take no block: skip the pool and the generator)
+        room = len(self.block_ids) * self.allocator.block_size - self.num_tokens  # free slots in the last block
+        need = self.num_new_blocks(num_new_tokens) if num_new_tokens > room else 0
+        if need:  # (most decode steps fit in the last block: no block, no pool, no generator)
             if need > self.allocator.num_free:
                 raise NoFreeBlocksError(f"need {need} more blocks, only {self.allocator.num_free} free")
             self.block_ids.extend(self.allocator.allocate() for _ in range(need))

@@ -247,21 +247,21 @@ class KVCacheManager:
         A token may be None, not known yet (see `set_token`)."""
         sb = self._get(seq_id)
         table, n = sb.table, len(token_ids)
-        self._check_len(table.num_tokens, n)  # before the copy-on-write below: all or nothing
-        copy = n > 0 and self._needs_copy(sb)
-        need = table.num_new_blocks(n) + int(copy)  # blocks_needed(), without looking the sequence up again
-        if need > self.allocator.num_free:
-            raise NoFreeBlocksError(f"sequence {seq_id} needs {need} blocks, {self.allocator.num_free} free")
         copies = []
-        if copy:
+        if n and self._needs_copy(sb):  # the copy takes a block too: check everything before it (all or nothing)
+            self._check_len(table.num_tokens, n)
+            need = table.num_new_blocks(n) + 1  # blocks_needed(), without looking the sequence up again
+            if need > self.allocator.num_free:
+                raise NoFreeBlocksError(f"sequence {seq_id} needs {need} blocks, {self.allocator.num_free} free")
             src = table.block_ids[-1]
             dst = self.allocator.allocate()
             self.allocator.free(src)  # one holder fewer; the others keep the original
             table.block_ids[-1] = dst
             copies.append((src, dst))
-        slots = table.append_slots(n)
+        slots = table.append_slots(n)  # (all or nothing on its own: max_model_len, then the pool)
         sb.token_ids.extend(token_ids)
-        self._register_full_blocks(sb)
+        if table.num_tokens // self.block_size > len(sb.block_hashes):  # a block filled up (1 decode in block_size)
+            self._register_full_blocks(sb)
         return slots, copies
 
     def set_token(self, seq_id: int, pos: int, token_id: int) -> None:

@@ -141,6 +141,15 @@ def test_step3_the_watermark_keeps_1_percent_free_for_the_running_sequences():
         "stage 6: 3 free blocks, z takes 3: none would stay free for the running sequences (watermark 1): refused"
     assert not bm.can_allocate(make_seq(5, 16), 16), "stage 6: 4 blocks do not fit in 3: refused"
     assert bm.can_append(x, 12), "stage 6: the watermark holds back admissions only: a running sequence may take all"
+    bm.allocate(y, 8)  # 1 block stays free
+    y.num_computed_tokens = 8
+    y.token_ids += [NEW_TOKEN] * 8
+    free, blocks = bm.num_free_blocks, list(bm.block_ids(y))
+    assert bm.append_slots(y, 8) is None and bm.num_free_blocks == free and bm.block_ids(y) == blocks, \
+        "stage 6: append_slots returns None when the pool is short (2 blocks, 1 free), and takes nothing"
+    got = bm.append_slots(y, 4)
+    assert got is not None and len(got[0]) == 4 and bm.num_free_blocks == 0, \
+        "stage 6: the watermark holds back admissions only: a running sequence may take all"
     bm = bm_mod.BlockManager(150, 4, max_model_len=600, enable_prefix_caching=False)
     bm.allocate(make_seq(6, 1), 1)
     assert not bm.can_allocate(make_seq(7, 149 * 4), 149 * 4), \
