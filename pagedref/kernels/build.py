@@ -118,6 +118,7 @@ CANDIDATES: dict[str, DecodeTuning | MmaTuning] = {
     "v3 mma p512 hint": MmaTuning(partition_size=512, load_hint=True),
     "v3 mma prefetch": MmaTuning(prefetch=True, min_ctas_per_sm=3),  # 134 registers: 4 CTAs would spill
     "v3 mma p512 prefetch": MmaTuning(partition_size=512, prefetch=True, min_ctas_per_sm=3),
+    "v3 mma p2048": MmaTuning(partition_size=2048),
 }
 
 
