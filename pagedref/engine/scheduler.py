@@ -258,8 +258,9 @@ class Scheduler:
             if n:  # (idle: nothing to compute until its token is decided)
                 (prefills if n > 1 else decodes).append(seq)
         drafts = self._propose(decodes) if self.proposer is not None else {}
+        running = SequenceStatus.RUNNING  # (an enum member's lookup costs as much as a call: once, not per sequence)
         for seq in decodes + prefills:
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted above, as someone's victim
             if step.budget == 0 or len(out.scheduled) == self.config.max_num_seqs:
                 break
