@@ -240,7 +240,7 @@ class Scheduler:
         seq.num_computed_tokens = end
         if end == known + seq.num_placeholders:  # all known: its last row samples
             group = seq.group
-            if group is None or (group.beam is None and (group.forked or group.n == 1)):  # an ordinary next token
+            if group is None or (group.beam is None and (group.forked or group.params.n == 1)):  # an ordinary next token
                 entry.sample_seqs = [seq]
                 if not self.stop_checker.ends_by_length(seq, 1):
                     seq.num_placeholders += 1  # the next step may decode it before it is known (async scheduling)

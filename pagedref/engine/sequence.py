@@ -172,7 +172,7 @@ class SequenceGroup:
         """Beam search: its last round is ranked. Otherwise all n sequences (forked after the prefill) are finished."""
         if self.beam is not None:
             return self.beam.done
-        if self.n > 1 and not self.forked:
+        if self.params.n > 1 and not self.forked:  # (sampling: SamplingParams)
             return False
         for seq in self.seqs:  # (a loop, not all() over a generator: the engine asks every request each step)
             if not seq.status.is_finished:
