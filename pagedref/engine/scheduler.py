@@ -61,6 +61,7 @@ except an idle beam whose blocks were taken back, which waits in no queue for it
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -117,7 +118,7 @@ class SchedulerOutput:
 
     def sampling_seqs(self) -> list[Sequence]:
         """Every sequence that samples in the step, in the order of the sampled tokens."""
-        return [seq for s in self.scheduled for seq in s.sample_seqs]
+        return list(itertools.chain.from_iterable([s.sample_seqs for s in self.scheduled]))
 
 
 class SampledTokens(Protocol):
