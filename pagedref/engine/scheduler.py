@@ -270,7 +270,7 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     continue
                 n = step.budget
-            draft = drafts.get(seq.seq_id)
+            draft = drafts.get(seq.seq_id) if drafts else None
             if draft is not None:  # its drafts ride along if the budget and the free blocks have room (never a preemption)
                 k = min(len(draft.token_ids), step.budget - n)
                 if k > 0 and self.block_manager.can_append(seq, n + k):
@@ -288,7 +288,8 @@ class Scheduler:
                     break
             else:
                 slots, copies = appended
-                out.blocks_to_copy += copies
+                if copies:  # (a decode copies nothing, but at the first write into a shared partly filled block)
+                    out.blocks_to_copy += copies
                 self._take(step, seq, n, slots, draft)
 
     def _schedule_swapped(self, step: _Step) -> None:
