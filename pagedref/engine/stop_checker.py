@@ -26,7 +26,8 @@ def detokenize(tokenizer, seq: Sequence, num_tokens: int) -> str:
     if seq.prompt_text is None:  # the prompt never changes: decode it once, not at every step's stop check
         seq.prompt_text = tokenizer.decode(seq.token_ids[:seq.num_prompt_tokens], skip_special_tokens=skip)
     prompt = seq.prompt_text
-    full = tokenizer.decode(seq.token_ids[:num_tokens], skip_special_tokens=skip)
+    ids = seq.token_ids if num_tokens == len(seq.token_ids) else seq.token_ids[:num_tokens]  # (the stop checks': all)
+    full = tokenizer.decode(ids, skip_special_tokens=skip)
     if full.startswith(prompt):
         return full[len(prompt):]
     return tokenizer.decode(seq.token_ids[seq.num_prompt_tokens:num_tokens], skip_special_tokens=skip)
