@@ -88,6 +88,9 @@ def check_attention(head_dims: set[int] | None = None, only: str | None = None) 
         runs = [r for r in runs if r[1].q.shape[-1] in head_dims]
     if only is not None:
         runs = [r for r in runs if r[0].startswith(only)]
+    if not runs:  # a sanitizer's clean report over no launch at all must not pass for a clean kernel
+        return [f"no attention run matches head_dims={sorted(head_dims) if head_dims else None}, only={only!r}"]
+    print(f"selfcheck: {len(runs)} attention runs")
     failures = []
     for label, p, run in runs:
         err = testing.max_rel_err(run(), testing.oracle(p), p)
