@@ -165,3 +165,30 @@ def test_a_killed_server_leaves_no_engine_process():
         assert process_gone(pid), f"engine process {pid} outlived its server"
     finally:
         server.kill()
+
+
+def test_a_stream_delivers_the_steps_queued_before_the_engine_stopped_then_the_error():
+    """The core's step messages and its "dead" can land in one wakeup of the loop: the reader finds both in its
+    queue at once. The outputs go out first (the client gets the tokens of the steps that ran), then the error;
+    a disconnect is raised at once (nobody to write to)."""
+    from types import SimpleNamespace
+
+    from pagedref.serve.async_engine import Disconnected, EngineDead, RequestStream
+
+    async def read(items):
+        queue = asyncio.Queue()
+        for item in items:
+            queue.put_nowait(item)
+        engine = SimpleNamespace(num_open_streams=1, abort=lambda ids: None)
+        got = []
+        with pytest.raises(Exception) as raised:
+            async for rid, out in RequestStream(engine, queue, {"a", "b"}):
+                got.append((rid, out.n))
+        return got, raised.value
+
+    step = lambda n: SimpleNamespace(n=n, finished=False)  # noqa: E731  (a RequestOutput's part the stream reads)
+    dead = EngineDead("the engine stopped: RuntimeError: injected")
+    got, err = asyncio.run(read([("a", step(1)), ("b", step(1)), ("a", step(2)), ("a", dead), ("b", dead)]))
+    assert got == [("a", 2), ("b", 1)] and err is dead, "the newest output of each request first, then the error"
+    got, err = asyncio.run(read([("a", step(1)), (None, Disconnected("gone"))]))
+    assert got == [] and isinstance(err, Disconnected), "a disconnect ends the stream at once"

@@ -335,6 +335,8 @@ class RequestStream:
 
     Each iteration yields the newest output of a request that advanced (a reader that fell behind skips
     the older ones: each output holds the whole token list so far), until every request has finished.
+    An error that ends them (the engine stopped, a shutdown) is raised after the outputs queued before
+    it: the tokens of the steps that ran still reach the client.
     `close()` aborts the unfinished ones: the handler calls it whatever way it ends, and so does the
     disconnect watcher the moment the client goes away (`disconnect()`), even while the handler waits
     elsewhere.
@@ -349,11 +351,15 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[tuple[str, RequestOutput]]:
         while self.unfinished:
             newest: dict[str, RequestOutput] = {}
+            error: BaseException | None = None
             item = await self.queue.get()
             while True:  # everything there is now
                 rid, out = item
                 if isinstance(out, BaseException):
-                    raise out
+                    if isinstance(out, Disconnected) or not newest:
+                        raise out  # (nobody to write to; or nothing came before it)
+                    error = out  # the engine stopped after these steps: their tokens go out first, then the error
+                    break
                 newest[rid] = out
                 if self.queue.empty():
                     break
@@ -362,6 +368,8 @@ class RequestStream:
                 if out.finished:
                     self.unfinished.discard(rid)
                 yield rid, out
+            if error is not None:
+                raise error
 
     def close(self) -> None:
         """Abort the requests that have not finished (nothing if all have). Idempotent."""
