@@ -344,10 +344,13 @@ class LLMEngine:
                                  logprobs=b.logprobs, finish_reason=b.finish_reason, stop_reason=b.stop_reason)
                 for i, b in enumerate(group.beam.results)]
         else:
-            outputs = [  # (by position: a streaming server builds one per running request per step)
-                CompletionOutput(s.index, s.token_ids[s.num_prompt_tokens:], s.cumulative_logprob, s.logprobs,
-                                 s.status.finish_reason, s.stop_reason, torch.stack(s.logits) if s.logits else None,
-                                 s.text, functools.partial(decode_output, self.tokenizer, s, len(s.token_ids), s.status))
+            outputs = [
+                CompletionOutput(
+                    index=s.index, token_ids=s.output_token_ids, cumulative_logprob=s.cumulative_logprob,
+                    logprobs=s.logprobs, finish_reason=s.status.finish_reason, stop_reason=s.stop_reason,
+                    logits=torch.stack(s.logits) if s.logits else None, _text=s.text,
+                    _decode=functools.partial(decode_output, self.tokenizer, s, len(s.token_ids), s.status),
+                )
                 for s in group.seqs
             ]
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,

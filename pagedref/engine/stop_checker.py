@@ -51,11 +51,10 @@ class StopChecker:
 
     def __call__(self, seq: Sequence) -> SequenceStatus | None:
         """The finished status the sequence's last token gives it, or None: it goes on."""
-        p, tokens = seq.params, seq.token_ids
-        token, num_tokens = tokens[-1], len(tokens)
+        p, token = seq.params, seq.token_ids[-1]
         status = None
-        if ((self.max_model_len is not None and num_tokens >= self.max_model_len)
-                or (p.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= p.max_tokens)):
+        if ((self.max_model_len is not None and seq.num_tokens >= self.max_model_len)
+                or (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)):
             status = SequenceStatus.FINISHED_LENGTH_CAPPED
         elif not p.ignore_eos and token in self.eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED
@@ -76,7 +75,7 @@ class StopChecker:
         """Would num_more more tokens (counting those in flight) reach max_tokens or max_model_len? Known
         before they are sampled: the scheduler schedules no step past such a token."""
         p = seq.params
-        n = len(seq.token_ids) + seq.num_placeholders + num_more
+        n = seq.num_tokens + seq.num_placeholders + num_more
         return ((self.max_model_len is not None and n >= self.max_model_len)
                 or (p.max_tokens is not None and n - seq.num_prompt_tokens >= p.max_tokens))
 

@@ -260,8 +260,7 @@ class KVCacheManager:
             copies.append((src, dst))
         slots = table.append_slots(n)  # (all or nothing on its own: max_model_len, then the pool)
         sb.token_ids.extend(token_ids)
-        if table.num_tokens // self.block_size > len(sb.block_hashes):  # a block filled up (1 decode in block_size)
-            self._register_full_blocks(sb)
+        self._register_full_blocks(sb)
         return slots, copies
 
     def set_token(self, seq_id: int, pos: int, token_id: int) -> None:
