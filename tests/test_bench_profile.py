@@ -84,6 +84,12 @@ def test_classify_kernels_sums_per_step():
     assert profile.classify_kernels(times, steps=2) == {"gemm": 2.0, "attention": 0.5, "other": 0.25}
 
 
+def test_top_kernels_are_the_longest_per_step_with_their_class():
+    times = [("nvjet_a", 3000.0), ("paged_attention_v3", 1000.0), ("nvjet_b", 1200.0), ("elementwise", 500.0)]
+    assert profile.top_kernels(times, steps=2, n=3) == [
+        ("gemm", "nvjet_a", 1.5), ("gemm", "nvjet_b", 0.6), ("attention", "paged_attention_v3", 0.5)]
+
+
 def test_bandwidth_is_bytes_over_the_class_time():
     r = profile.ProfileResult("paged", 2, 10.0, 1.0, {}, {"gemm": 2.0, "attention": 0.5, "other": 0.1},
                               weight_bytes=4_000_000, kv_bytes=1_000_000.0, linear_flops=1.0)

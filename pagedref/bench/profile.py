@@ -47,6 +47,7 @@ from pagedref.bench.memory import BLOCK_SIZE
 from pagedref.bench.step import PHASES, PhaseTimer
 
 KERNEL_CLASSES = ("gemm", "attention", "other")
+TOP_KERNELS = 12  # kernels listed by name in the report
 _GEMM_NAMES = ("gemm", "gemv", "nvjet", "cutlass", "cublas", "xmma", "splitkreduce")
 _ATTENTION_NAMES = ("paged_attention", "paged_prefill", "reshape_and_cache")
 
@@ -65,6 +66,8 @@ class ProfileResult:
     async_scheduling: bool | None = None  # the engine's loop: step N+1 scheduled while step N runs
     gpu_span_ms: float | None = None  # per step, mean: from its first GPU work to its last (CUDA events; None: CPU)
     gpu_idle_ms: float | None = None  # per step, mean: wall time the GPU had no step to run (None: CPU)
+    top_kernels: list[tuple[str, str, float]] | None = None  # [(class, kernel name, ms per step)], the longest first
+
 
     def bandwidth(self, what: str) -> float | None:
         """Bytes per second the step's matmuls (what="gemm", the weights) or attention kernels
@@ -83,6 +86,12 @@ def kernel_class(name: str) -> str:
     if any(k in low for k in _GEMM_NAMES):
         return "gemm"
     return "other"
+
+
+def top_kernels(times_us: list[tuple[str, float]], steps: int, n: int = TOP_KERNELS) -> list[tuple[str, str, float]]:
+    """[(kernel name, GPU µs)] over `steps` steps -> the n longest as [(class, name, ms per step)]."""
+    ranked = sorted(times_us, key=lambda t: -t[1])[:n]
+    return [(kernel_class(name), name, us / 1e3 / steps) for name, us in ranked]
 
 
 def classify_kernels(times_us: list[tuple[str, float]], steps: int) -> dict[str, float]:
@@ -118,7 +127,7 @@ def _weights(model) -> tuple[int, int]:
     return (sum(p.numel() * p.element_size() for p in params.values()), sum(p.numel() for p in params.values()))
 
 
-def _gpu_kernels(step, steps: int) -> dict[str, float]:
+def _gpu_kernels(step, steps: int) -> tuple[dict[str, float], list[tuple[str, str, float]]]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -130,7 +139,7 @@ def _gpu_kernels(step, steps: int) -> dict[str, float]:
             torch.cuda.synchronize()
     # the kernels themselves (device events), not the CPU ops that launched them: no double count
     times = [(e.key, e.self_device_time_total) for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    return classify_kernels(times, steps)
+    return classify_kernels(times, steps), top_kernels(times, steps)
 
 
 def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, device: str, num_kv_blocks: int,
@@ -176,10 +185,10 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
 
         wall, span, idle = _wall_and_idle(engine, timed_step, steps)
         phases = _phases(engine, timed_step, steps)
-        kernel_ms = None
+        kernel_ms = top = None
         if kernels or (kernels is None and device == "cuda"):  # the bytes below are the kernel steps' own
             contexts.clear()
-            kernel_ms = _gpu_kernels(timed_step, steps)
+            kernel_ms, top = _gpu_kernels(timed_step, steps)
         weight_bytes, num_params = _weights(engine.model)
         cfg = engine.model.config
         elem = engine.runner.kv_caches[0][0].element_size()
@@ -187,7 +196,7 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
         context = statistics.mean(contexts)
         return ProfileResult(kv_cache, num_seqs, context, 1e3 * wall, phases, kernel_ms, weight_bytes,
                              num_seqs * context * kv_per_token, 2.0 * num_seqs * num_params,
-                             engine.async_scheduling, span, idle)
+                             engine.async_scheduling, span, idle, top)
     finally:
         llm.close()
         common.free_device(device)
@@ -260,6 +269,11 @@ def print_report(doc: dict[str, Any]) -> None:
         print(f"{res.kv_cache:<11}{sum(k.values()):>8.2f}{k['gemm']:>8.2f}{k['attention']:>8.2f}{k['other']:>8.2f}"
               f"{res.weight_bytes / 1e9:>12.2f}{(g or 0) / 1e12:>6.2f}{share(g):>5}{res.linear_flops / (k['gemm'] / 1e3) / 1e12:>9.0f}"
               f"{res.kv_bytes / 1e9:>8.2f}{(a or 0) / 1e12:>6.2f}{share(a):>5}")
+    for r in doc["results"]:
+        if r.get("top_kernels"):
+            print(f"{r['kv_cache']}: the {len(r['top_kernels'])} longest kernels, ms per step")
+            for cls, name, ms_ in r["top_kernels"]:
+                print(f"  {cls:<10}{ms_:>7.3f}  {name[:110]}")
 
 
 def main(argv: list[str] | None = None) -> int:
