@@ -79,7 +79,7 @@ class ChainModel:
                 out[j] = prev
         return out[:, None]
 
-    def compute_logits(self, hidden):
+    def compute_logits(self, hidden, float32=True):  # (its logits are float32 either way)
         rows = [torch.randn(VOCAB, generator=torch.Generator().manual_seed(int(h))) for h in hidden[:, 0].tolist()]
         return torch.stack(rows) if rows else torch.empty(0, VOCAB)
 

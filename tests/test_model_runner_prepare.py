@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from pagedref.engine.block_manager import BlockManager
-from pagedref.engine.model_runner import ModelRunner
+from pagedref.engine.model_runner import ModelRunner, argmax_only
 from pagedref.engine.sampling import SamplerOutput, SamplingParams
 from pagedref.engine.scheduler import Scheduler, SchedulerConfig
 from pagedref.engine.sequence import Sequence
@@ -52,3 +52,25 @@ def test_decodes_and_prefills_together_give_one_row_per_sequence_in_batch_order(
     tables = [scheduler.block_manager.block_ids(s) for s in (seqs[0], seqs[1], late)]
     assert step.meta.block_tables.tolist() == [t + [-1] * (3 - len(t)) for t in tables]
     assert step.sample_rows == [0, 1, 11]
+
+
+def test_a_step_keeps_its_logits_in_the_model_dtype_only_when_it_reads_nothing_but_argmaxes():
+    def seq(params, record_logits=False):
+        s = Sequence(0, "r", [1, 2], 2, params)
+        s.logits = [] if record_logits else None
+        return s
+    greedy = SamplingParams(temperature=0.0)
+    assert argmax_only([seq(greedy), seq(greedy)]), "greedy rows with nothing else asked read only argmaxes"
+    assert not argmax_only([seq(greedy), seq(SamplingParams(temperature=0.8))]), "a sampled row reads the softmax"
+    assert not argmax_only([seq(SamplingParams(temperature=0.0, logprobs=2))]), "logprobs read the float32 logits"
+    assert not argmax_only([seq(greedy, record_logits=True)]), "recorded logits are float32 (LLM(record_logits=True))"
+
+
+def test_the_argmax_of_16_bit_logits_is_the_argmax_of_their_float32_widening():
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        logits = (torch.randn(64, 1000, generator=g) * 4).to(dtype)
+        logits[:, 500] = logits.max(dim=-1).values  # ties: the first maximum wins in both
+        logits[3] = float("-inf")
+        logits[3, 7] = 0.0
+        assert torch.equal(logits.argmax(-1), logits.float().argmax(-1)), dtype

@@ -80,6 +80,12 @@ def allocate_kv_caches(config, num_blocks: int, block_size: int, dtype: torch.dt
     return caches
 
 
+def argmax_only(seqs: list[Sequence]) -> bool:
+    """Whether the step reads nothing of its logits but each row's argmax: every sampling sequence greedy,
+    with no logprobs asked and no logits recorded (then they may stay in the model's dtype)."""
+    return all([s.params.is_greedy and s.params.logprobs is None and s.logits is None for s in seqs])
+
+
 @dataclass
 class StepInput:
     input_ids: torch.Tensor  # [T] int64
@@ -229,7 +235,8 @@ class ModelRunner:
         hidden = self.run_model(step.input_ids, step.positions, step.meta, sched, step.host_meta)  # [T, hidden]
         rows = step.sample_rows + step.spec_rows if step.spec_rows else step.sample_rows
         if rows:
-            logits = self.model.compute_logits(hidden.index_select(0, self._upload(rows)))  # [R (+ spec rows), vocab]
+            float32 = bool(step.spec_rows) or not argmax_only(step.sample_seqs)
+            logits = self.model.compute_logits(hidden.index_select(0, self._upload(rows)), float32)  # [R (+ spec), vocab]
         else:
             logits = hidden.new_empty((0, 0))
         r = len(step.sample_rows)  # speculative decoding: the rows after the R sampling ones are verified, not sampled
