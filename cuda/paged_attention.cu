@@ -45,6 +45,10 @@
 //      per byte drop ~4x and the loads of the next slab fly while this one is computed. Its own
 //      section below says how the fragments line up with plain 16-byte loads. The default decode
 //      kernel (1024-token partitions) wherever it applies; v2 (512) everywhere else.
+//   v3 with MERGE_IN_KERNEL=1: the last partition CTA of each (sequence, head group) to finish
+//      merges the partitions itself (a ticket counter per group, flash-decoding's "last block
+//      reduces"), so no reduce launch follows; the same operations in the same order per output
+//      element as paged_attention_reduce, hence the same bits.
 //   Bit-level consequences: every reduction runs in an order fixed by (HEAD_DIM, PARTITION_SIZE,
 //   THREADS_PER_TOKEN, NUM_THREADS) and by token index only, so a sequence's result is the same
 //   bits whatever physical blocks hold its K/V, whatever else is in the batch, and however the
@@ -63,7 +67,7 @@
 // MIN_CTAS_PER_SM (v2's and v3's register budget: __launch_bounds__'s second argument), ASYNC_COPY
 // (0/1), STAGES (depth of the cp.async ring), DECODE_MMA (0/1: compile v3), KV_LOAD_HINT (0/1: v3's
 // K/V loads skip L1 and prefetch whole 256-byte rows into L2), KV_PREFETCH (0/1: v3 asks L2 for the
-// slab after next).
+// slab after next), MERGE_IN_KERNEL (0/1: v3's last partition CTA merges; v3 takes merge counters).
 #include "common.cuh"
 
 #ifndef HEADS_PER_CTA
@@ -497,7 +501,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
 // already in flight, and its V right after; tokens past the context are clamped to the last one
 // (a real token: no NaN from unused slots reaches an mma) and masked to -inf, so every load is
 // unconditional. At the end the 4 warps merge through shared memory in warp order and the
-// partition writes the same partials as v2, so paged_attention_reduce merges partitions.
+// partition writes the same partials as v2, so paged_attention_reduce merges partitions (or, with
+// MERGE_IN_KERNEL=1, the group's last partition CTA to finish: see merge_partitions).
 // Bits: every sum runs in an order fixed by token index and lane, whatever the batch or blocks.
 // Head dims that are not a multiple of 64 (vLLM's 80, 96, 112, 120, 192 is one): the head
 // dimension is cut into pieces, each loaded by one load per lane and token row. K: pieces of 32
@@ -518,6 +523,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
 #endif
 #ifndef KV_PREFETCH
 #define KV_PREFETCH 0
+#endif
+#ifndef MERGE_IN_KERNEL
+#define MERGE_IN_KERNEL 0
 #endif
 #if DECODE_MMA
 static_assert(PR_DTYPE == 1 || PR_DTYPE == 2, "v3 (DECODE_MMA) needs 16-bit K/V: float16 or bfloat16");
@@ -686,13 +694,75 @@ __device__ __forceinline__ void store_o(float (*o_s)[HEAD_DIM], const float (&o)
   }
 }
 
-// v2's arguments and outputs, shape for shape (the launcher passes the same tuple to either).
+#if MERGE_IN_KERNEL
+// MERGE_IN_KERNEL=1: the last CTA of a (sequence, head group) to finish merges its partitions, so no
+// second launch (and no ramp-up and tail of one) follows. Each partition CTA writes its partials as
+// before, makes them visible device-wide (__threadfence) and takes a ticket from the group's counter;
+// the CTA that draws num_parts - 1 saw every other partition's partials land, merges them, and puts
+// the counter back to 0 for the next launch (or graph replay): the counters are zero between launches.
+// Bits: each output element goes through paged_attention_reduce's operations in its order (weights
+// w_p = l_p * expf(m_p - M) via shared memory; total += w_p and acc = fmaf(w_p, o_p, acc) over p
+// increasing from 0; acc / total), so the result is the two-launch result, bit for bit, whichever
+// CTA comes last (tests/test_kernels_gpu.py holds it). Which thread computes an element does not
+// enter the arithmetic; the max M is exact in any order.
+constexpr int MERGE_CHUNK = 32;  // partitions whose weights pass through shared memory at a time
+constexpr int MERGE_PER_THREAD = (G * HEAD_DIM + NUM_THREADS - 1) / NUM_THREADS;  // output elements per thread
+
+// Merge the partitions of query heads row0 .. row0 + G - 1 (rows of [num_seqs * num_heads]) into out.
+// The partials were written by other CTAs of this launch: read through L2 (ld.cg), never a stale L1 line.
+// Not inlined: inlined, its registers pushed v3 (bf16, head_dim 128, 128 registers) into an 8-byte spill.
+__device__ __noinline__ void merge_partitions(scalar_t *__restrict__ out, const float *tmp_out,
+                                                 const float *max_logits, const float *exp_sums, long long row0,
+                                                 int num_parts, int max_parts) {
+  __shared__ float w_s[G][MERGE_CHUNK];  // a chunk of each head's partition weights
+  __shared__ float max_s[G];             // each head's largest partition max M
+  const int tid = threadIdx.x, warp = tid / PR_WARP, lane = tid % PR_WARP;
+  for (int g = warp; g < G; g += NUM_WARPS) {
+    float m = neg_inf();
+    for (int p = lane; p < num_parts; p += PR_WARP) m = fmaxf(m, __ldcg(max_logits + (row0 + g) * max_parts + p));
+    m = group_max<PR_WARP>(m);
+    if (lane == 0) max_s[g] = m;
+  }
+  float acc[MERGE_PER_THREAD], total[MERGE_PER_THREAD];
+#pragma unroll
+  for (int k = 0; k < MERGE_PER_THREAD; ++k) acc[k] = total[k] = 0.f;
+  for (int p0 = 0; p0 < num_parts; p0 += MERGE_CHUNK) {
+    const int np = min(MERGE_CHUNK, num_parts - p0);
+    __syncthreads();  // max_s written (first chunk); the previous chunk's weights consumed
+    for (int i = tid; i < G * MERGE_CHUNK; i += NUM_THREADS) {
+      const int g = i / MERGE_CHUNK, p = i % MERGE_CHUNK;
+      const long long at = (row0 + g) * max_parts + p0 + p;
+      if (p < np) w_s[g][p] = __ldcg(exp_sums + at) * expf(__ldcg(max_logits + at) - max_s[g]);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < MERGE_PER_THREAD; ++k) {
+      const int i = tid + k * NUM_THREADS, g = i / HEAD_DIM, d = i % HEAD_DIM;
+      if (i >= G * HEAD_DIM) continue;
+      const float *o = tmp_out + ((row0 + g) * max_parts + p0) * HEAD_DIM + d;
+      for (int p = 0; p < np; ++p) {
+        total[k] += w_s[g][p];
+        acc[k] = fmaf(w_s[g][p], __ldcg(o + (long long)p * HEAD_DIM), acc[k]);
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < MERGE_PER_THREAD; ++k) {
+    const int i = tid + k * NUM_THREADS;
+    if (i < G * HEAD_DIM) out[(row0 + i / HEAD_DIM) * HEAD_DIM + i % HEAD_DIM] = from_float(acc[k] / total[k]);
+  }
+}
+#endif  // MERGE_IN_KERNEL
+
+// v2's arguments and outputs, shape for shape (the launcher passes the same tuple to either), then
+// merge_counters: [num_seqs, num_heads / G] int32, zeros between launches (MERGE_IN_KERNEL=1 only;
+// otherwise unused and may be null).
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged_attention_v3(
     scalar_t *__restrict__ out, float *__restrict__ tmp_out, float *__restrict__ max_logits,
     float *__restrict__ exp_sums, const scalar_t *__restrict__ q, const scalar_t *__restrict__ k_cache,
     const scalar_t *__restrict__ v_cache, const int *__restrict__ block_tables,
     const int *__restrict__ context_lens, int max_blocks, int num_heads, int num_kv_heads, int max_parts,
-    float scale) {
+    float scale, int *__restrict__ merge_counters) {
   constexpr int PART_BLOCKS = PARTITION_SIZE / BLOCK_SIZE;
   __shared__ int blocks_s[PART_BLOCKS];
   __shared__ float o_s[NUM_WARPS][G][HEAD_DIM];           // each warp's unnormalized p.V
@@ -847,6 +917,21 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
       exp_sums[row * max_parts + part] = l;
     }
   }
+#if MERGE_IN_KERNEL
+  if (num_parts == 1) return;  // the output is written: no partials, no counter
+  __shared__ int is_last;
+  __threadfence();  // this thread's partials are visible device-wide before the ticket below is taken
+  __syncthreads();
+  int *counter = merge_counters + (long long)s * gridDim.x + blockIdx.x;
+  if (tid == 0) {
+    __threadfence();
+    is_last = atomicAdd(counter, 1) == num_parts - 1;
+    if (is_last) *counter = 0;  // every partition has counted: ready for the next launch
+    __threadfence();  // the other partitions' partials are read after their tickets
+  }
+  __syncthreads();
+  if (is_last) merge_partitions(out, tmp_out, max_logits, exp_sums, (long long)s * num_heads + head0, num_parts, max_parts);
+#endif
 }
 #endif  // DECODE_MMA
 

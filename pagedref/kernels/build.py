@@ -65,13 +65,15 @@ class DecodeTuning:
 @dataclass(frozen=True)
 class MmaTuning:
     """The tensor-core decode kernel's (v3) fixed design constants, under the same rule: only
-    partition_size changes the arithmetic; min_ctas_per_sm, load_hint and prefetch only the schedule."""
+    partition_size changes the arithmetic; min_ctas_per_sm, load_hint, prefetch and merge_in_kernel only the
+    schedule."""
 
     version: ClassVar[int] = 3
     partition_size: int = MMA_PARTITION_SIZE
     min_ctas_per_sm: int | None = None  # __launch_bounds__ hint; None: splitk.MMA_MIN_CTAS_PER_SM[head_dim]
     load_hint: bool = False  # K/V loads skip L1 and ask L2 for whole 256-byte rows
     prefetch: bool = False  # each warp asks L2 for its slab after next (costs ~6 registers: take 3 CTAs per SM)
+    merge_in_kernel: bool = False  # the last partition CTA to finish merges (no reduce launch); same bits
 
 
 def decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta: int,
@@ -96,7 +98,8 @@ def mma_decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta:
     return KernelConfig("paged_attention.cu", (
         ("PR_DTYPE", DTYPE_CODES[dtype]), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),
         ("HEADS_PER_CTA", heads_per_cta), ("PARTITION_SIZE", tuning.partition_size), ("MIN_CTAS_PER_SM", min_ctas),
-        ("KV_LOAD_HINT", int(tuning.load_hint)), ("KV_PREFETCH", int(tuning.prefetch)), ("DECODE_MMA", 1)))
+        ("KV_LOAD_HINT", int(tuning.load_hint)), ("KV_PREFETCH", int(tuning.prefetch)), ("DECODE_MMA", 1),
+        *((("MERGE_IN_KERNEL", 1),) if tuning.merge_in_kernel else ())))
 
 
 # Candidate tunings the benchmark times at every shape and the GPU tests check (16-bit K/V, head_dim
@@ -119,6 +122,8 @@ CANDIDATES: dict[str, DecodeTuning | MmaTuning] = {
     "v3 mma prefetch": MmaTuning(prefetch=True, min_ctas_per_sm=3),  # 134 registers: 4 CTAs would spill
     "v3 mma p512 prefetch": MmaTuning(partition_size=512, prefetch=True, min_ctas_per_sm=3),
     "v3 mma p2048": MmaTuning(partition_size=2048),
+    "v3 mma merge in kernel": MmaTuning(merge_in_kernel=True),
+    "v3 mma p2048 merge in kernel": MmaTuning(partition_size=2048, merge_in_kernel=True),
 }
 
 

@@ -104,14 +104,41 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tmp_out = torch.empty((shape.num_seqs, shape.num_heads, max_parts, shape.head_dim), **f32)
     max_logits = torch.empty((shape.num_seqs, shape.num_heads, max_parts), **f32)
     exp_sums = torch.empty_like(max_logits)
+    merge_in_kernel = version == 3 and tuning.merge_in_kernel and max_parts > 1
+    counters = ()  # v3 takes its merge counters last (null when the reduce kernel merges)
+    if version == 3:
+        counters = (_ptr(_merge_counters(q.device, shape.num_seqs * (shape.num_heads // hpc))) if merge_in_kernel
+                    else np.uint64(0),)
     _launch(config, f"paged_attention_v{version}", q.device, (shape.num_heads // hpc, max_parts, shape.num_seqs),
             (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(q), *common,
-             np.int32(max_parts), np.float32(scale)))
-    if max_parts > 1:
+             np.int32(max_parts), np.float32(scale), *counters))
+    if max_parts > 1 and not merge_in_kernel:
         _launch(config, "paged_attention_reduce", q.device, (shape.num_seqs, shape.num_heads),
                 (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(context_lens),
                  np.int32(shape.num_heads), np.int32(max_parts)))
     return out
+
+
+_MERGE_COUNTERS: dict[int, torch.Tensor] = {}  # device index -> int32 counters, zeros between launches
+_RETIRED_COUNTERS: list[torch.Tensor] = []  # outgrown buffers: graphs captured with them still replay them
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 counters, zero, for v3's in-kernel merge (one per (sequence, head group)).
+
+    The kernel puts each counter it used back to zero, so one buffer per device serves every launch and
+    every graph replay, provided no two of them run at once (one stream: the engine's; a graph replays on
+    it too). A buffer grows outside graph capture and is never freed (a captured graph may hold it);
+    a capture that needs more captures its own zeroed buffer."""
+    buf = _MERGE_COUNTERS.get(device.index)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    new = torch.zeros(max(n, 1024, 2 * (buf.numel() if buf is not None else 0)), dtype=torch.int32, device=device)
+    if not torch.cuda.is_current_stream_capturing():
+        if buf is not None:
+            _RETIRED_COUNTERS.append(buf)
+        _MERGE_COUNTERS[device.index] = new
+    return new
 
 
 def _decode_kernel(version: int, tuning, elem_size: int, head_dim: int):

@@ -2,13 +2,14 @@
 
 One idea: memcheck and racecheck slow a program down a hundredfold, so they get one launch of each
 kernel on small sizes that still reach every code path (several partitions and a partial one, a
-partial prefill tile, GQA, each dtype, decode v1, v2 and v3 with every candidate tuning, prefill
+partial prefill tile, GQA, each dtype, decode v1, v2 and v3 with every candidate tuning (and v3's
+in-kernel merge over more partitions than its shared-memory chunk), prefill
 v1, v2 and v3 (v3: wgmma, on sm_90 devices), every block size, every kind of head_dim v3 and prefill v2 take: multiples of 64, and
 80, 96, 112, 120, 192 with their partial pieces and padding, both pool writes) and nothing else.
 
 Invariant: exits non-zero if any result is wrong, so a clean sanitizer report over a failing run
-cannot pass for success. Usage: `python -m pagedref.kernels.selfcheck [--head-dims 112,120,192] [--only "prefill v3"]`
-(only the attention runs at those head dims / with that label, and no pool writes: a short sanitizer
+cannot pass for success. Usage: `python -m pagedref.kernels.selfcheck [--head-dims 112,120,192] [--only "prefill v3" ...]`
+(only the attention runs at those head dims / with one of those labels, and no pool writes: a short sanitizer
 pass over them).
 """
 
@@ -34,10 +35,10 @@ def run_decode(p: testing.PagedProblem, **kw) -> torch.Tensor:
     return kernels.paged_attention_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale, **kw)
 
 
-def check_attention(head_dims: set[int] | None = None, only: str | None = None) -> list[str]:
+def check_attention(head_dims: set[int] | None = None, only: str | list[str] | None = None) -> list[str]:
     """Every run's error against the oracle -> its failures; `head_dims` keeps only the runs at those,
-    `only` the runs whose label starts with it (e.g. "prefill v3")."""
-    from pagedref.kernels.build import CANDIDATES
+    `only` the runs whose label starts with it, or with one of them (e.g. "prefill v3")."""
+    from pagedref.kernels.build import CANDIDATES, MmaTuning
 
     runs = []  # (label, problem, launch)
     for dtype, head_dim, block_size in ((torch.float32, 64, 16), (torch.float16, 8, 8), (torch.bfloat16, 128, 32)):
@@ -50,6 +51,11 @@ def check_attention(head_dims: set[int] | None = None, only: str | None = None) 
         if dtype != torch.float32:
             runs += [(f"decode {name} {label}", dec, lambda p=dec, t=t: run_decode(p, version=t.version, tuning=t))
                      for name, t in CANDIDATES.items()]
+    # v3's in-kernel merge over more partitions than its shared-memory chunk of 32: 34 partitions of 512.
+    merge = MmaTuning(partition_size=512, merge_in_kernel=True)
+    dec = testing.make_problem([1, 1100, 17000], num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+    runs += [("decode v3 merge in kernel, p512, 34 partitions", dec,
+              lambda p=dec: run_decode(p, version=3, tuning=merge))]
     # v3's other shapes: block_size 8 (a 16-token slab spans two blocks), head_dim 64 and 256, 3 and
     # 8 query heads per CTA (empty mma columns; all eight used).
     for dtype, head_dim, block_size, num_heads in ((torch.float16, 64, 8, 6), (torch.bfloat16, 256, 16, 16)):
@@ -87,7 +93,7 @@ def check_attention(head_dims: set[int] | None = None, only: str | None = None) 
     if head_dims is not None:
         runs = [r for r in runs if r[1].q.shape[-1] in head_dims]
     if only is not None:
-        runs = [r for r in runs if r[0].startswith(only)]
+        runs = [r for r in runs if r[0].startswith((only,) if isinstance(only, str) else tuple(only))]
     if not runs:  # a sanitizer's clean report over no launch at all must not pass for a clean kernel
         return [f"no attention run matches head_dims={sorted(head_dims) if head_dims else None}, only={only!r}"]
     print(f"selfcheck: {len(runs)} attention runs")
@@ -120,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pagedref.kernels.selfcheck", description=__doc__.split("\n")[0])
     ap.add_argument("--head-dims", type=lambda s: {int(x) for x in s.split(",")},
                     help="comma-separated head dims: only the attention runs at these")
-    ap.add_argument("--only", help="only the attention runs whose label starts with this (e.g. 'prefill v3')")
+    ap.add_argument("--only", action="append", help="only the attention runs whose label starts with this (e.g. "
+                    "'prefill v3'; repeatable: with any of them)")
     args = ap.parse_args(argv)
     failures = check_attention(args.head_dims, args.only)
     failures += check_cache_ops() if args.head_dims is None and args.only is None else []
