@@ -20,8 +20,9 @@
 //     the stage's "empty" mbarrier, which the producer waits on before it refills the stage. Copies
 //     of the next tiles fly while the tensor cores work on this one, and the two consumers' softmax
 //     and mma phases interleave on the SM.
-//   * setmaxnreg: the producer needs few registers and gives them back (40), the consumers take them
-//     (232): the S (64 x 128 fp32) and O (64 x HEAD_DIM fp32) accumulators stay in registers.
+//   * setmaxnreg: the producer needs few registers and gives them back (40; 56 on the persistent grid),
+//     the consumers take them (232; 224): the S (64 x 128 fp32) and O (64 x HEAD_DIM fp32) accumulators
+//     stay in registers.
 // Shared memory (wgmma's canonical 128-byte-swizzled layout, the same for Q, K and V): a tile of R
 // rows of HEAD_DIM 16-bit elements is HEAD_DIM / 64 column blocks, each R rows of 128 bytes; the
 // 16-byte chunk c (0..7) of row r sits at chunk c ^ (r % 8) of its row (every 8 rows = one 1024-byte
@@ -39,19 +40,36 @@
 // Bits: every row's arithmetic depends only on its position and the tile grid (the same products
 // in the same order, max and sum over the row's 4 lanes in a fixed xor order, -inf masking, the
 // same exp2 of the same fma): invariant under block placement, batch composition and chunking.
-// Measured on an H200 (bf16, 32 / 8 heads, head_dim 128): 370-492 TFLOP/s on long prompts, 1.3-2.1x
-// v2, 75-92% of FlashInfer's FA3 on the same pool (docs/benchmarks.md). Tried and not kept (commits fb77e6b
-// and 99c42e8, in the history): a persistent grid, FA3's intra-warpgroup overlap of softmax with P V,
-// ping-pong between the consumers, each alone and together (99c42e8: compile-time schedules, timed side by
-// side). The persistent grid alone took 16 x 512 from 183 to 153 us (89% of FlashInfer) and held 4 x 2048,
-// but that code ran 9-12% slower at 1 x 8192 and the chunk, even launched one CTA per work item; the
-// overlaps and ping-pong gained nothing on top (at most 2%) or lost up to 8%. What is left is named in the
-// stage 5 lesson.
+// Work items and schedules (build.PrefillV3Schedule, compile-time; launch.prefill_v3_schedule picks one):
+// a work item is 128 query rows of one sequence and head. The plain grid runs one CTA per item. The
+// persistent grid (V3_PERSISTENT) runs at most one CTA per SM, each taking items in a snake
+// (item_of_round) through the plain kernel's own produce() and consume(), its KV ring running on across
+// items; the producer copies the next item's first K/V tile, then its Q once the consumers read the
+// current Q for the last time (q_empty), so the next item starts without the load latency a new CTA
+// waits for. Its producer's item loop needs 56 registers (the consumers 224: setmaxnreg's budget).
+// V3_RCP_EPILOGUE divides O by l as O * (1 / l), one division per row instead of 64 per lane.
+// V3_BT_SHFL: the producer's lane j loads the tile's j-th block-table entry once per tile (before the
+// "empty" wait) and each pass takes its rows' entry by a shuffle, instead of one dependent load per pass.
+// Bits: the item order and the copies change no row's arithmetic; the epilogue does, the same for every
+// row. The launcher's choices all take V3_RCP_EPILOGUE, so persistent or plain, a row's bits are the same.
+// Measured on an H200 (bf16, 32 / 8 heads, head_dim 128, 16-token blocks in random order, graphed, the
+// same pool; one call, 2026-12-01 16:51 UTC), us at 4 x 2048 / 1 x 8192 / chunk 2048 @ 8192 / 16 x 512,
+// FlashInfer's FA3 314 / 1011 / 474 / 136:
+//   plain (the kernel before, no knob)  370 / 1170 / 498 / 182   persistent             354 / 1169 / 507 / 155
+//   rcp                                 364 / 1183 / 505 / 172   persistent rcp         341 / 1159 / 526 / 143
+//   rcp bt (long contexts' choice)      355 / 1146 / 489 / 171   persistent rcp bt      366 / 1253 / 550 / 151
+// The launcher takes persistent rcp up to a longest context of 2048 (launch.PREFILL_V3_PERSISTENT_MAX_CONTEXT)
+// and rcp bt past it: 341 / 1146 / 489 / 143 = 92% / 88% / 97% / 95% of FlashInfer (the plain kernel
+// before: 85% / 86-89% / 95% / 75%; its two timings at 1 x 8192 in that call, 1134 and 1170, show the
+// noise there). Tried before and not kept (commits fb77e6b and 99c42e8, in the history): FA3's
+// intra-warpgroup overlap of softmax with P V and ping-pong between the consumers (at most 2% on top of
+// a persistent grid, or up to 8% lost). What is left is named in the stage 5 lesson.
 //
-// Launch: grid (num_seqs, num_heads, ceil(max_query_len / TQ)), block 384 threads, dynamic shared
-// memory prefill_v3_shared_bytes (build.py): TQ + 2 * KV_STAGES * TK rows of HEAD_DIM * 2 bytes,
-// 1 KB of alignment slack and the mbarriers.
-// Compile-time parameters (-D): PR_DTYPE (1 or 2), HEAD_DIM (64 or 128), BLOCK_SIZE, KV_STAGES.
+// Launch: grid (num_seqs, num_heads, ceil(max_query_len / TQ)), or (min(work items, SMs)) persistent;
+// block 384 threads, dynamic shared memory prefill_v3_shared_bytes (build.py): TQ + 2 * KV_STAGES * TK
+// rows of HEAD_DIM * 2 bytes, 1 KB of alignment slack and the mbarriers.
+// Compile-time parameters (-D): PR_DTYPE (1 or 2), HEAD_DIM (64 or 128), BLOCK_SIZE, KV_STAGES,
+// V3_PERSISTENT, V3_RCP_EPILOGUE, V3_BT_SHFL, V3_PRODUCER_REGS.
 #define PREFILL_WGMMA 1
 #include "common.cuh"
 
@@ -60,6 +78,15 @@
 #endif
 static_assert(PR_DTYPE == 1 || PR_DTYPE == 2, "prefill v3 needs 16-bit Q/K/V: float16 or bfloat16");
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "prefill v3 takes HEAD_DIM 64 or 128");
+#ifndef V3_PERSISTENT
+#define V3_PERSISTENT 0  // 1: a persistent grid of at most one CTA per SM walks the work items (kernel)
+#endif
+#ifndef V3_RCP_EPILOGUE
+#define V3_RCP_EPILOGUE 0  // 1: O / l as O * (1 / l), one division per row (write_rows_v3)
+#endif
+#ifndef V3_BT_SHFL
+#define V3_BT_SHFL 0  // 1: one block-table load per lane and tile, shared by shuffles (produce)
+#endif
 static_assert(KV_STAGES >= 2 && KV_STAGES <= 4, "KV_STAGES from 2 to 4");
 
 constexpr int WG = 128;                  // threads per warpgroup
@@ -73,7 +100,10 @@ constexpr int STAGE_BYTES = 2 * TILE_BYTES;    // K then V
 // After setmaxnreg the CTA holds what it was launched with, 168 x 384 registers (the cap of
 // __launch_bounds__(384, 1)), not the SM's 65536: a consumer's setmaxnreg.inc waits until the producer's
 // .dec freed enough, forever if they ask for more (a build asking 48 + 2 x 232 hung on an H200).
-constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+#ifndef V3_PRODUCER_REGS
+#define V3_PRODUCER_REGS 40  // 56 on the persistent grid: its item loop spills under 40 (build.prefill_config)
+#endif
+constexpr int PRODUCER_REGS = V3_PRODUCER_REGS, CONSUMER_REGS = (V3_THREADS * 168 - WG * PRODUCER_REGS) / (2 * WG) / 8 * 8;
 static_assert(WG * PRODUCER_REGS + 2 * WG * CONSUMER_REGS <= V3_THREADS * 168, "setmaxnreg's budget: 64512 registers");
 static_assert(TK % BLOCK_SIZE == 0, "a key tile covers whole blocks");
 
@@ -184,12 +214,85 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], unsigned a0, unsigned a
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(accumulate));
 }
 
-// A consumer warpgroup: 64 query rows (CTA rows 64 * cw ..); warp w of it owns rows 16 w .. 16 w + 15,
-// this lane rows grp and grp + 8 (the accumulator layout of wgmma, mma.m16n8k16's per warp:
-// element 4 j + e of S or O is row grp + 8 (e / 2), column 8 j + 2 tig + e % 2).
+// One work item: query rows row0 .. row0 + TQ - 1 of sequence s's chunk, head h, through key tile num_tiles - 1.
+struct Item {
+  int s, h, row0, q0, qlen, ctx, first_pos, num_tiles;
+};
+
+// Item (s, h, query tile z counted from the sequence's end: 0 = its last 128 rows, the most keys) ->
+// false if its rows are past the sequence's chunk (no work, no barrier).
+__device__ __forceinline__ bool item_at(int s, int h, int z, int num_q_tiles, const int *__restrict__ query_start_loc,
+                                        const int *__restrict__ context_lens, Item &it) {
+  it.s = s;
+  it.h = h;
+  it.row0 = (num_q_tiles - 1 - z) * TQ;
+  it.q0 = query_start_loc[s];
+  it.qlen = query_start_loc[s + 1] - it.q0;
+  if (it.row0 >= it.qlen) return false;
+  it.ctx = context_lens[s];
+  it.first_pos = it.ctx - it.qlen;
+  it.num_tiles = (it.first_pos + min(it.row0 + TQ, it.qlen) - 1) / TK + 1;  // through the item's last row
+  return true;
+}
+
+// Persistent grid (V3_PERSISTENT): the CTA's k-th work item, or false past the last. Items are numbered
+// as the plain grid's CTAs launch (sequence fastest, then head, then query tile from the end: the most
+// keys first) and dealt to the gridDim.x CTAs in rounds, forward in even rounds and backward in odd
+// ones (a snake), so that a CTA given one of a round's longest items gets one of the next round's
+// shortest. `more` turns false once the rounds are past the last item.
+__device__ __forceinline__ bool item_of_round(int k, int num_seqs, int num_heads, int num_q_tiles,
+                                              const int *__restrict__ query_start_loc,
+                                              const int *__restrict__ context_lens, Item &it, bool &more) {
+  const int g = gridDim.x, num_items = num_seqs * num_heads * num_q_tiles;
+  const int i = k * g + ((k & 1) ? g - 1 - (int)blockIdx.x : (int)blockIdx.x);
+  more = (k + 1) * g < num_items;
+  if (i >= num_items) return false;
+  const int per_tile = num_seqs * num_heads, rem = i % per_tile;
+  return item_at(rem % num_seqs, rem / num_seqs, i / per_tile, num_q_tiles, query_start_loc, context_lens, it);
+}
+
+// One arrival per warp on `bar` (the consumers' barriers count warps).
+__device__ __forceinline__ void release(unsigned bar, int lane) {
+  __syncwarp();
+  if (lane == 0) mbar_arrive(bar);
+}
+
+// The end of a consumer's rows: this lane's two rows, row_lo and row_lo + 8, in wgmma's accumulator
+// layout (o[4 n + e]: row row_lo + 8 (e / 2), dim 8 n + 2 tig + e % 2). The exp-sums added over the
+// row's 4 lanes; V3_RCP_EPILOGUE 1: one division per row, 1 / l, and a product per element (as FA3),
+// 0: each element divided by l (common.cuh's write_rows). Rows past the chunk are not written.
+__device__ __forceinline__ void write_rows_v3(scalar_t *out, const float (&o)[HEAD_DIM / 2], float l_lo, float l_hi,
+                                              int q0, int row_lo, int qlen, long long q_row_stride, int h, int tig) {
+#if V3_RCP_EPILOGUE
+#pragma unroll
+  for (int off = 1; off < 4; off *= 2) {
+    l_lo += __shfl_xor_sync(PR_FULL_MASK, l_lo, off);
+    l_hi += __shfl_xor_sync(PR_FULL_MASK, l_hi, off);
+  }
+  const float inv_lo = 1.f / l_lo, inv_hi = 1.f / l_hi;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row_lo + 8 * half;
+    if (row >= qlen) continue;
+    const float inv = half ? inv_hi : inv_lo;
+    unsigned *dst = reinterpret_cast<unsigned *>(out + (long long)(q0 + row) * q_row_stride + h * HEAD_DIM + 2 * tig);
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) dst[4 * n] = pack2(o[4 * n + 2 * half] * inv, o[4 * n + 2 * half + 1] * inv);
+  }
+#else
+  write_rows(out, o, l_lo, l_hi, q0, row_lo, qlen, q_row_stride, h, tig);
+#endif
+}
+
+// A consumer warpgroup on one work item: 64 query rows (the item's rows 64 * cw ..); warp w of it owns
+// rows 16 w .. 16 w + 15, this lane rows grp and grp + 8 (the accumulator layout of wgmma,
+// mma.m16n8k16's per warp: element 4 j + e of S or O is row grp + 8 (e / 2), column 8 j + 2 tig + e % 2).
+// g: the CTA's key tiles before this item (0 on the plain grid), so tile t is the ring's tile g + t.
+// On a persistent grid the consumer's warps arrive on q_empty once Q is read for the last time.
 __device__ __forceinline__ void consume(scalar_t *__restrict__ out, int q0, int qlen, int row0, int first_pos, int h,
                                         long long q_row_stride, unsigned q_s, unsigned kv_s, unsigned full,
-                                        unsigned empty, int num_tiles, float scale, int ctid) {
+                                        unsigned empty, unsigned q_empty, int num_tiles, int g, float scale,
+                                        int ctid) {
   const int cw = ctid / WG, warp = ctid / 32 % 4, lane = ctid % 32, grp = lane / 4, tig = lane % 4;
   const int wg_row0 = row0 + 64 * cw;
   const bool active = wg_row0 < qlen;  // else the consumer only releases stages
@@ -199,6 +302,7 @@ __device__ __forceinline__ void consume(scalar_t *__restrict__ out, int q0, int 
   const int pos_lo = first_pos + min(wrow0 + grp, qlen - 1), pos_hi = first_pos + min(wrow0 + grp + 8, qlen - 1);
   const float scale_log2 = scale * LOG2E;
   const unsigned q_wg = q_s + cw * 64 * 128;  // this consumer's rows in Q's first column block
+  if (V3_PERSISTENT && !active) release(q_empty, lane);  // Q not read at all
 
   float o[HEAD_DIM / 2];
 #pragma unroll
@@ -206,8 +310,8 @@ __device__ __forceinline__ void consume(scalar_t *__restrict__ out, int q0, int 
   float m_lo = neg_inf(), m_hi = neg_inf(), l_lo = 0.f, l_hi = 0.f;  // running max (raw score units), exp-sums
 
   for (int t = 0; t < num_tiles; ++t) {
-    const int stage = t % KV_STAGES;
-    mbar_wait(full + 8 * stage, (t / KV_STAGES) & 1);
+    const int stage = (g + t) % KV_STAGES;
+    mbar_wait(full + 8 * stage, ((g + t) / KV_STAGES) & 1);
     if (active && t * TK <= wg_last) {  // else every key of the tile follows every row: an exact no-op
       // The stage was written by cp.async (the generic proxy); the tensor cores read it through the async proxy.
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -223,6 +327,8 @@ __device__ __forceinline__ void consume(scalar_t *__restrict__ out, int q0, int 
       wgmma_commit();
       wgmma_wait_all();
       fence_regs(sc);
+      // The last tile of this consumer's rows: Q is read, the producer may load the next item's over it.
+      if (V3_PERSISTENT && (t + 1) * TK > wg_last) release(q_empty, lane);
 
       // Causal mask, only on tiles that reach past the consumer's first row (elsewhere it changes nothing).
       if (t * TK + TK - 1 > wg_first) {
@@ -289,82 +395,137 @@ __device__ __forceinline__ void consume(scalar_t *__restrict__ out, int q0, int 
     if (lane == 0) mbar_arrive(empty + 8 * stage);  // this warp's mmas no longer read the stage
   }
   if (!active) return;
-  write_rows(out, o, l_lo, l_hi, q0, wrow0 + grp, qlen, q_row_stride, h, tig);
+  write_rows_v3(out, o, l_lo, l_hi, q0, wrow0 + grp, qlen, q_row_stride, h, tig);
 }
 
-// The producer warpgroup: the CTA's query rows (zeros past the chunk) with tile 0, then each key
-// tile t into stage t % KV_STAGES once the consumers released it; each thread's copies arrive on
-// the stage's "full" barrier as they land.
-__device__ __forceinline__ void produce(unsigned q_s, unsigned kv_s, unsigned full, unsigned empty,
+// The producer warpgroup on one work item: the item's query rows (zeros past the chunk) with its tile 0,
+// then each key tile t into the ring's stage (g + t) % KV_STAGES once the consumers released it; each
+// thread's copies arrive on the stage's "full" barrier as they land. On a persistent grid (n: the CTA's
+// items before this one) Q is loaded after tile 0's K and V, once the consumers read the previous
+// item's for the last time (q_empty), so that tile 0's copies fly meanwhile.
+__device__ __forceinline__ void produce(unsigned q_s, unsigned kv_s, unsigned full, unsigned empty, unsigned q_empty,
                                        const scalar_t *__restrict__ qh, long long q_row_stride, int row0, int qlen,
                                        const scalar_t *__restrict__ k_cache, const scalar_t *__restrict__ v_cache,
                                        const int *__restrict__ bt, int ctx, int row_stride, int kv_off,
-                                       int num_tiles, int tid) {
+                                       int num_tiles, int g, int n, int tid) {
   constexpr int ROWS_PER_PASS = WG / CPR;  // rows one pass of the warpgroup copies (16 chunks each at 128)
   const int c = tid % CPR, r_first = tid / CPR;
-  for (int r = r_first; r < TQ; r += ROWS_PER_PASS) {
-    const bool real = row0 + r < qlen;
-    cp_async16_zfill(q_s + swz(TQ, r, c), qh + (long long)(real ? row0 + r : 0) * q_row_stride + c * 8,
-                     real ? 16 : 0);
-  }
-  for (int t = 0; t < num_tiles; ++t) {
-    const int stage = t % KV_STAGES;
-    if (t >= KV_STAGES) mbar_wait(empty + 8 * stage, (t / KV_STAGES - 1) & 1);  // tile t - KV_STAGES done
+  auto load_q = [&]() {
+    for (int r = r_first; r < TQ; r += ROWS_PER_PASS) {
+      const bool real = row0 + r < qlen;
+      cp_async16_zfill(q_s + swz(TQ, r, c), qh + (long long)(real ? row0 + r : 0) * q_row_stride + c * 8,
+                       real ? 16 : 0);
+    }
+  };
+  // Tile t's K and V rows into its stage once the consumers released it -> the stage.
+  auto copy_tile = [&](int t) {
+    const int stage = (g + t) % KV_STAGES;
+#if V3_BT_SHFL
+    // The tile's TK / BLOCK_SIZE block-table entries, lane j holding block j's (keys past the context:
+    // the context's last block), loaded before the wait below so that the wait hides their latency;
+    // each pass takes its rows' entry from the lane that holds it.
+    const int my_block = bt[min(t * TK + (tid % 32 % (TK / BLOCK_SIZE)) * BLOCK_SIZE, ctx - 1) / BLOCK_SIZE];
+#endif
+    if (g + t >= KV_STAGES) mbar_wait(empty + 8 * stage, ((g + t) / KV_STAGES - 1) & 1);  // tile g + t - KV_STAGES done
     const unsigned k_s = kv_s + stage * STAGE_BYTES, v_s = k_s + TILE_BYTES;
 #pragma unroll 4
     for (int r = r_first; r < TK; r += ROWS_PER_PASS) {
       const int tok = min(t * TK + r, ctx - 1);
-      const long long off = ((long long)bt[tok / BLOCK_SIZE] * BLOCK_SIZE + tok % BLOCK_SIZE) * row_stride +
-                            kv_off + c * 8;
+#if V3_BT_SHFL
+      const int block = __shfl_sync(PR_FULL_MASK, my_block, r / BLOCK_SIZE);
+#else
+      const int block = bt[tok / BLOCK_SIZE];
+#endif
+      const long long off = ((long long)block * BLOCK_SIZE + tok % BLOCK_SIZE) * row_stride + kv_off + c * 8;
       cp_async16(k_s + swz(TK, r, c), k_cache + off);
       cp_async16(v_s + swz(TK, r, c), v_cache + off);
     }
+    return stage;
+  };
+  int t = 0;
+  if (V3_PERSISTENT) {  // tile 0 apart: Q's registers are free for the other tiles
+    const int stage = copy_tile(t++);
+    if (n > 0) mbar_wait(q_empty, (n - 1) & 1);  // the previous item's last S = Q K^T are done
+    load_q();
     mbar_arrive_on_copies(full + 8 * stage);
+  } else {
+    load_q();
   }
-  asm volatile("cp.async.wait_all;\n" ::: "memory");  // nothing in flight when the thread leaves
+  for (; t < num_tiles; ++t) mbar_arrive_on_copies(full + 8 * copy_tile(t));
 }
 
-// v1's arguments, shape for shape. Launch: see the header.
+// v1's arguments, shape for shape, then num_seqs and num_q_tiles = ceil(max_query_len / TQ) (read by the
+// persistent grid only). Launch: see the header.
 extern "C" __global__ void __launch_bounds__(V3_THREADS, 1) paged_prefill_v3(
     scalar_t *__restrict__ out, const scalar_t *__restrict__ q,
     const scalar_t *__restrict__ k_cache, const scalar_t *__restrict__ v_cache,
     const int *__restrict__ block_tables, const int *__restrict__ context_lens,
-    const int *__restrict__ query_start_loc, int max_blocks, int num_heads, int num_kv_heads, float scale) {
+    const int *__restrict__ query_start_loc, int max_blocks, int num_heads, int num_kv_heads, float scale,
+    int num_seqs, int num_q_tiles) {
   extern __shared__ unsigned char smem_v3[];
   // 1024-byte aligned base (the swizzle atoms): Q [TQ rows], then KV_STAGES x (K, V) [TK rows], then
-  // the mbarriers: full[KV_STAGES], empty[KV_STAGES], 8 bytes each.
+  // the mbarriers: full[KV_STAGES], empty[KV_STAGES], q_empty, 8 bytes each.
   const unsigned base = (smem_u32(smem_v3) + 1023u) & ~1023u;
   const unsigned q_s = base, kv_s = base + Q_BYTES;
-  const unsigned full = kv_s + KV_STAGES * STAGE_BYTES, empty = full + 8 * KV_STAGES;
-
-  // Query tiles in reverse launch order: the last tiles of a sequence see the most keys, so they start first.
-  const int s = blockIdx.x, h = blockIdx.y, row0 = (gridDim.z - 1 - blockIdx.z) * TQ;
-  const int q0 = query_start_loc[s], qlen = query_start_loc[s + 1] - q0;
-  if (row0 >= qlen) return;  // the whole CTA leaves together, before any barrier
-  const int ctx = context_lens[s];
-  const int first_pos = ctx - qlen;
-  const int kv_head = h / (num_heads / num_kv_heads);
+  const unsigned full = kv_s + KV_STAGES * STAGE_BYTES, empty = full + 8 * KV_STAGES, q_empty = empty + 8 * KV_STAGES;
   const long long q_row_stride = (long long)num_heads * HEAD_DIM;
-  const scalar_t *qh = q + (long long)q0 * q_row_stride + h * HEAD_DIM;
-  const int num_tiles = (first_pos + min(row0 + TQ, qlen) - 1) / TK + 1;  // through the CTA's last row
   const int tid = threadIdx.x, wg = tid / WG;
+#if !V3_PERSISTENT
+  // One CTA per work item; query tiles in reverse launch order: the last tiles of a sequence see the
+  // most keys, so they start first.
+  Item it;
+  if (!item_at(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.z, query_start_loc, context_lens, it))
+    return;  // the whole CTA leaves together, before any barrier
+#endif
 
   if (tid == 0) {
     for (int i = 0; i < KV_STAGES; ++i) {
       mbar_init(full + 8 * i, WG);  // one arrival per producer thread (its copies landed)
       mbar_init(empty + 8 * i, 8);  // one arrival per consumer warp (its mmas read the stage)
     }
+    if (V3_PERSISTENT) mbar_init(q_empty, 8);  // one arrival per consumer warp (its S mmas read Q)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
-    produce(q_s, kv_s, full, empty, qh, q_row_stride, row0, qlen, k_cache, v_cache,
-            block_tables + (long long)s * max_blocks, ctx, num_kv_heads * HEAD_DIM, kv_head * HEAD_DIM, num_tiles,
-            tid);
+#if V3_PERSISTENT
+    int g = 0, n = 0;  // the CTA's key tiles and items so far
+    bool more = true;
+    for (int k = 0; more; ++k) {
+      Item it;
+      if (!item_of_round(k, num_seqs, num_heads, num_q_tiles, query_start_loc, context_lens, it, more)) continue;
+#else
+    {
+      const int g = 0, n = 0;
+#endif
+      produce(q_s, kv_s, full, empty, q_empty, q + (long long)it.q0 * q_row_stride + it.h * HEAD_DIM, q_row_stride,
+              it.row0, it.qlen, k_cache, v_cache, block_tables + (long long)it.s * max_blocks, it.ctx,
+              num_kv_heads * HEAD_DIM, it.h / (num_heads / num_kv_heads) * HEAD_DIM, it.num_tiles, g, n, tid);
+#if V3_PERSISTENT
+      g += it.num_tiles;
+      ++n;
+#endif
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // nothing in flight when the thread leaves
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
-    consume(out, q0, qlen, row0, first_pos, h, q_row_stride, q_s, kv_s, full, empty, num_tiles, scale, tid - WG);
+#if V3_PERSISTENT
+    int g = 0;  // the CTA's key tiles so far
+    bool more = true;
+    for (int k = 0; more; ++k) {
+      Item it;
+      if (!item_of_round(k, num_seqs, num_heads, num_q_tiles, query_start_loc, context_lens, it, more)) continue;
+#else
+    {
+      const int g = 0;
+#endif
+      consume(out, it.q0, it.qlen, it.row0, it.first_pos, it.h, q_row_stride, q_s, kv_s, full, empty, q_empty,
+              it.num_tiles, g, scale, tid - WG);
+#if V3_PERSISTENT
+      g += it.num_tiles;
+#endif
+    }
   }
 }

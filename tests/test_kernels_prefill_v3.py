@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedref import kernels
-from pagedref.kernels import build, gpu_available, splitk
+from pagedref.kernels import build, gpu_available, launch, splitk
 from pagedref.kernels import testing as T
 from pagedref.kernels.launch import _prefill_version
 
@@ -51,16 +51,33 @@ def test_v3_shared_memory_fits_an_sm():
     for head_dim in build.PREFILL_V3_HEAD_DIMS:
         for stages in range(2, build.prefill_v3_stages(head_dim) + 1):
             assert build.prefill_v3_shared_bytes(head_dim, stages) <= 227 * 1024
-    assert build.prefill_v3_shared_bytes(128) == (128 + 2 * 3 * 128) * 128 * 2 + 1024 + 3 * 16
+    assert build.prefill_v3_shared_bytes(128) == (128 + 2 * 3 * 128) * 128 * 2 + 1024 + 3 * 16 + 16
+
+
+def test_v3_schedules_are_compile_time_knobs_and_the_choice_keeps_the_epilogue():
+    cfg = build.prefill_config("bfloat16", 128, 16, version=3)
+    for name, schedule in build.PREFILL_V3_SCHEDULES.items():
+        other = build.prefill_config("bfloat16", 128, 16, version=3, schedule=schedule)
+        assert other in build.ci_configs() and (other == cfg) == (schedule == build.PrefillV3Schedule()), name
+        assert ("V3_PERSISTENT", int(schedule.persistent)) in other.defines
+        # setmaxnreg's budget is the launch's 168 x 384 registers: the persistent producer takes 56, so 2 x 224.
+        assert ("V3_PRODUCER_REGS", 56 if schedule.persistent else 40) in other.defines
+    # The launcher's choice from the longest context: persistent up to the threshold, the plain grid past
+    # it, and never another epilogue, so never another bit.
+    limit = launch.PREFILL_V3_PERSISTENT_MAX_CONTEXT
+    chosen = {ctx: launch.prefill_v3_schedule(ctx) for ctx in (1, 512, limit, limit + 1, 8192, 10**6)}
+    assert chosen[limit].persistent and not chosen[limit + 1].persistent
+    assert len({s.rcp_epilogue for s in chosen.values()}) == 1
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("schedule", list(build.PREFILL_V3_SCHEDULES))
 @pytest.mark.parametrize("head_dim", build.PREFILL_V3_HEAD_DIMS)
-def test_v3_compiles_for_sm90a_without_spills(head_dim, tmp_path):
+def test_v3_compiles_for_sm90a_without_spills(head_dim, schedule, tmp_path):
     # setmaxnreg only works under a register cap at entry (__launch_bounds__(384, 1): 168); ptxas says
     # so when it ignores it (C7508) or when it serialises the wgmmas (C7514, C7520: an accumulator read
     # while in flight, a wgmma in a branch it thinks divergent); neither may happen, nor a spill.
-    cfg = build.prefill_config("bfloat16", head_dim, 16, version=3)
+    cfg = build.prefill_config("bfloat16", head_dim, 16, version=3, schedule=build.PREFILL_V3_SCHEDULES[schedule])
     cmd = ["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-Xptxas", "-v", *cfg.options(),
            str(cfg.source), "-o", str(tmp_path / "k.cubin")]
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -126,3 +143,39 @@ def test_v3_placement_and_batch_change_no_bit(num_heads, num_kv_heads):
     for seqs in ([2], [4, 0], [3, 1, 2]):
         rows = torch.cat([torch.arange(r.start, r.stop) for r in (T.seq_rows(p, s) for s in seqs)]).cuda()
         assert T.same_bits(prefill(T.select(p, seqs), version=3), out[rows])
+
+
+@pytest.mark.parametrize("head_dim", build.PREFILL_V3_HEAD_DIMS)
+@pytest.mark.gpu
+@needs_hopper
+def test_v3_schedules_change_no_bit(head_dim):
+    # More work items than SMs (a persistent CTA walks several, of different lengths, reloading Q between
+    # them), empty items (rows past a short sequence's chunk), an idle second consumer, GQA, a cached
+    # prefix: every schedule gives the plain grid's bits with the same epilogue, and the launcher's
+    # choice (schedule=None) one of them.
+    lens = [1, 64, 65, 129, 300, 700, 1500, 2600] * 3
+    p = T.make_problem(lens, [1, 64, 65, 129, 300, 200, 1500, 700] * 3, num_heads=16, num_kv_heads=4,
+                       head_dim=head_dim, dtype=torch.bfloat16, seed=head_dim)
+    plain = {rcp: prefill(p, version=3, schedule=build.PrefillV3Schedule(rcp_epilogue=rcp)) for rcp in (False, True)}
+    for rcp, out in plain.items():
+        assert T.max_rel_err(out, T.oracle(p), p) <= 1e-2, rcp
+    for name, schedule in build.PREFILL_V3_SCHEDULES.items():
+        out = prefill(p, version=3, schedule=schedule, out=torch.full_like(p.q, float("nan")))
+        assert T.same_bits(out, plain[schedule.rcp_epilogue]), name
+    epilogue = launch.prefill_v3_schedule(max(lens)).rcp_epilogue
+    out = prefill(p)  # the launcher's choice: the plain grid (contexts past PREFILL_V3_PERSISTENT_MAX_CONTEXT)
+    assert T.same_bits(out, plain[epilogue])
+    # Without the long sequences the choice turns persistent: the other rows keep their bits.
+    short = [s for s, n in enumerate(lens) if n <= launch.PREFILL_V3_PERSISTENT_MAX_CONTEXT]
+    assert launch.prefill_v3_schedule(max(lens[s] for s in short)).persistent
+    rows = torch.cat([torch.arange(r.start, r.stop) for r in (T.seq_rows(p, s) for s in short)]).cuda()
+    assert T.same_bits(prefill(T.select(p, short)), out[rows])
+    # A persistent grid whose CTAs each take several items of one long sequence, and one item alone;
+    # block sizes 32 and 8 (a tile's block-table entries over 4 and 16 lanes).
+    for lens, q_lens, block_size in (([5000], [5000], 32), ([130], [130], 8)):
+        p = T.make_problem(lens, q_lens, num_heads=4, num_kv_heads=1, head_dim=head_dim, block_size=block_size,
+                           dtype=torch.float16, seed=7)
+        for rcp in (False, True):
+            ref = prefill(p, version=3, schedule=build.PrefillV3Schedule(rcp_epilogue=rcp))
+            out = prefill(p, version=3, schedule=build.PrefillV3Schedule(persistent=True, rcp_epilogue=rcp, bt_shfl=True))
+            assert T.same_bits(out, ref), (lens, rcp)

@@ -17,7 +17,8 @@ work captured in a CUDA graph where possible (so Python launch overhead is not m
 enough buffer sets that the working set exceeds 3x the L2 cache; competitors of one shape are timed
 in interleaved rounds; no number is asserted, only reported.
 Usage: `python -m pagedref.bench kernel [--json [PATH]] [--variants] [--reps N] [--no-prefill] [--no-decode]
-[--candidates NAME ...] [--peers flashinfer] [--skip-version 3] [--skip-prefill-version 2|3]`
+[--candidates NAME ...] [--peers flashinfer] [--prefill-schedules [NAME ...]] [--skip-version 3]
+[--skip-prefill-version 1|2|3]`
 """
 
 from __future__ import annotations
@@ -303,11 +304,13 @@ def bench_variants(reps: int, skip_version: int | None = None) -> list[dict]:
 
 
 def bench_prefill(batch: int, query_len: int, context: int, reps: int, skip_versions: tuple | list = (),
-                  peers: dict | None = None) -> dict:
+                  peers: dict | None = None, schedules: tuple | list = ()) -> dict:
     """Causal prefill of `batch` sequences' last `query_len` rows over `context` tokens (a whole prompt
     when they are equal, else a chunk after a cached prefix): each prefill kernel version, SDPA (whole
-    prompts only: its causal mask is the top-left one) and each peer, on one pool."""
+    prompts only: its causal mask is the top-left one), each peer and each named v3 schedule
+    (build.PREFILL_V3_SCHEDULES; its bits checked against the plain grid's with the same epilogue), on one pool."""
     from pagedref.kernels import paged_prefill
+    from pagedref.kernels.build import PREFILL_V3_SCHEDULES, PrefillV3Schedule
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     case = DecodeCase(batch, context)
@@ -316,10 +319,13 @@ def bench_prefill(batch: int, query_len: int, context: int, reps: int, skip_vers
     out = torch.empty_like(q)
     versions = [v for v in PREFILL_VERSIONS if v not in skip_versions]
 
-    def ours(version: int):
+    def ours(version: int, schedule=None):
         paged_prefill(q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, qsl, HEAD_DIM**-0.5,
-                      max_query_len=query_len, max_context_len=context, out=out, check=False, version=version)
+                      max_query_len=query_len, max_context_len=context, out=out, check=False, version=version,
+                      schedule=schedule)
     named = {f"v{version}": [lambda version=version: ours(version)] for version in versions}
+    schedules = list(schedules) if 3 in versions else []
+    named.update({f"v3 {name}": [lambda s=PREFILL_V3_SCHEDULES[name]: ours(3, s)] for name in schedules})
     sdpa = {}
     if query_len == context:
         k, v = case.contiguous_kv()
@@ -355,6 +361,14 @@ def bench_prefill(batch: int, query_len: int, context: int, reps: int, skip_vers
     for version in versions:
         ours(version)
         res["versions"][version] = row(f"v{version}", out)
+    if schedules:
+        res["schedules"] = {}
+        for name in schedules:
+            s = PREFILL_V3_SCHEDULES[name]
+            ours(3, PrefillV3Schedule(rcp_epilogue=s.rcp_epilogue))  # the plain grid, the same epilogue
+            plain = out.clone()
+            ours(3, s)
+            res["schedules"][name] = row(f"v3 {name}", out) | {"same_bits_as_plain": bool(torch.equal(out, plain))}
     for name in peer_out:
         named[f"peer {name}"][0]()
         res["peers"][name] = row(f"peer {name}", peer_out[name])
@@ -399,6 +413,10 @@ def print_prefill(rows: list[dict]) -> None:
             eager = " (eager)" if x.get("graphed") is False else ""
             print(f"    {name}: {x['ms'] * 1e3:.0f} us {x['TFLOPs']:.0f} TFLOP/s{eager}{share} | "
                   f"err vs {r['error_reference']} {x['rel_err']:.1e}")
+        for name, x in r.get("schedules", {}).items():
+            share = "".join(f" | {x['TFLOPs'] / y['TFLOPs']:.1%} of {p}" for p, y in r.get("peers", {}).items())
+            print(f"    v3 {name}: {x['ms'] * 1e3:.1f} us {x['TFLOPs']:.0f} TFLOP/s{share} | "
+                  f"{'same bits as the plain grid' if x['same_bits_as_plain'] else 'BITS DIFFER FROM THE PLAIN GRID'}")
 
 
 def print_candidates(res: dict) -> None:
@@ -425,15 +443,22 @@ def main(argv: list[str] | None = None) -> int:
                     "kernels on the same pool (skipped with a note when they do not import)")
     ap.add_argument("--skip-version", type=int, choices=(3,), help="time no tuning of this decode kernel version "
                     "(device_check.sh passes 3 when v3 failed its self-check: a fault would end the whole run)")
-    ap.add_argument("--skip-prefill-version", type=int, choices=(2, 3), action="append", default=[],
+    ap.add_argument("--prefill-schedules", nargs="*", metavar="NAME", help="also time these prefill v3 schedules "
+                    "(build.PREFILL_V3_SCHEDULES; the flag alone: every one) and check their bits")
+    ap.add_argument("--skip-prefill-version", type=int, choices=(1, 2, 3), action="append", default=[],
                     help="time no prefill of this version (repeatable; device_check.sh passes each version that "
                     "failed its self-check)")
     args = ap.parse_args(argv)
-    from pagedref.kernels.build import CANDIDATES
+    from pagedref.kernels.build import CANDIDATES, PREFILL_V3_SCHEDULES
 
     unknown = sorted(set(args.candidates or []) - set(CANDIDATES))
     if unknown:
         ap.error(f"unknown candidate(s) {unknown}: choose from {sorted(CANDIDATES)}")
+    if args.prefill_schedules is not None and not args.prefill_schedules:  # the flag alone
+        args.prefill_schedules = list(PREFILL_V3_SCHEDULES)
+    unknown = sorted(set(args.prefill_schedules or []) - set(PREFILL_V3_SCHEDULES))
+    if unknown:
+        ap.error(f"unknown prefill schedule(s) {unknown}: choose from {sorted(PREFILL_V3_SCHEDULES)}")
     peers = load_peers(args.peers)  # before the GPU check: a missing peer is a note wherever it runs
     if not torch.cuda.is_available():
         print("the kernel benchmark needs a CUDA GPU", file=sys.stderr)
@@ -452,8 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.variants:
         res["variants"] = bench_variants(args.reps, args.skip_version)
     if not args.no_prefill:
-        res["prefill"] = [bench_prefill(b, n, c, max(5, args.reps // 5), args.skip_prefill_version, peers)
-                          for b, n, c in PREFILL_SHAPES]
+        res["prefill"] = [bench_prefill(b, n, c, max(5, args.reps // 5), args.skip_prefill_version, peers,
+                                        args.prefill_schedules or []) for b, n, c in PREFILL_SHAPES]
     if args.json:
         text = json.dumps(res, indent=2)
         if args.json == "-":

@@ -152,16 +152,40 @@ def prefill_v3_stages(head_dim: int) -> int:
 
 def prefill_v3_shared_bytes(head_dim: int, stages: int | None = None) -> int:
     """Dynamic shared memory of prefill v3: the query tile, `stages` K and V tiles, 1 KB of alignment
-    slack (the swizzle atoms start on 1024-byte boundaries) and two mbarriers per stage."""
+    slack (the swizzle atoms start on 1024-byte boundaries), two mbarriers per stage and one for Q."""
     stages = stages or prefill_v3_stages(head_dim)
-    return (PREFILL_V3_ROWS + 2 * stages * PREFILL_V3_KEY_TILE) * head_dim * 2 + 1024 + 16 * stages
+    return (PREFILL_V3_ROWS + 2 * stages * PREFILL_V3_KEY_TILE) * head_dim * 2 + 1024 + 16 * stages + 16
+
+
+@dataclass(frozen=True)
+class PrefillV3Schedule:
+    """Prefill v3's compile-time knobs (cuda/paged_prefill_hopper.cu's header). persistent and bt_shfl
+    change the order of work only, never a row's arithmetic; rcp_epilogue changes the epilogue's
+    arithmetic (O * (1 / l) instead of O / l), the same for every row, so two schedules with the same
+    rcp_epilogue give the same bits."""
+
+    persistent: bool = False  # at most one CTA per SM walks the work items (snake order)
+    rcp_epilogue: bool = False  # one division per row, then products
+    bt_shfl: bool = False  # the producer loads a tile's block-table entries once per lane and shuffles them
+
+
+# Prefill v3's schedules the benchmark times side by side (`bench kernel --prefill-schedules`) and CI
+# compiles at bfloat16 / 128 / 16.
+PREFILL_V3_SCHEDULES: dict[str, PrefillV3Schedule] = {
+    "plain": PrefillV3Schedule(),
+    "rcp": PrefillV3Schedule(rcp_epilogue=True),
+    "rcp bt": PrefillV3Schedule(rcp_epilogue=True, bt_shfl=True),
+    "persistent": PrefillV3Schedule(persistent=True),
+    "persistent rcp": PrefillV3Schedule(persistent=True, rcp_epilogue=True),
+    "persistent rcp bt": PrefillV3Schedule(persistent=True, rcp_epilogue=True, bt_shfl=True),
+}
 
 
 def prefill_config(dtype: str, head_dim: int, block_size: int, version: int = 1,
-                   stages: int | None = None) -> KernelConfig:
+                   stages: int | None = None, schedule: PrefillV3Schedule = PrefillV3Schedule()) -> KernelConfig:
     """Prefill v1 (CUDA cores, every shape), v2 (tensor cores: -DPREFILL_MMA=1, mma_supported only) or
-    v3 (sm_90a: PREFILL_V3_HEAD_DIMS, 16-bit; `stages` of its KV ring, None: prefill_v3_stages). The
-    stages change the schedule only, never the arithmetic: every v3 config gives the same bits."""
+    v3 (sm_90a: PREFILL_V3_HEAD_DIMS, 16-bit; `stages` of its KV ring, None: prefill_v3_stages;
+    `schedule`'s knobs). Stages change the schedule only, never the arithmetic."""
     if version not in (1, 2, 3):
         raise ValueError(f"prefill version must be 1, 2 or 3, got {version}")
     defines = (("PR_DTYPE", DTYPE_CODES[dtype]), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size))
@@ -171,8 +195,11 @@ def prefill_config(dtype: str, head_dim: int, block_size: int, version: int = 1,
         if ELEM_SIZE[dtype] != 2 or head_dim not in PREFILL_V3_HEAD_DIMS:
             raise ValueError(f"prefill v3 takes float16/bfloat16 with head_dim in {PREFILL_V3_HEAD_DIMS}, got "
                              f"{dtype} with head_dim {head_dim}")
+        # The persistent producer's item loop spills under 40 registers: 56 + 2 x 224 (setmaxnreg's budget).
+        knobs = (("V3_PERSISTENT", int(schedule.persistent)), ("V3_RCP_EPILOGUE", int(schedule.rcp_epilogue)),
+                 ("V3_BT_SHFL", int(schedule.bt_shfl)), ("V3_PRODUCER_REGS", 56 if schedule.persistent else 40))
         return KernelConfig("paged_prefill_hopper.cu",
-                            (*defines, ("KV_STAGES", stages or prefill_v3_stages(head_dim))), PREFILL_V3_ARCH)
+                            (*defines, ("KV_STAGES", stages or prefill_v3_stages(head_dim)), *knobs), PREFILL_V3_ARCH)
     if not mma_supported(ELEM_SIZE[dtype], head_dim):
         raise ValueError(f"the tensor-core prefill kernel (v2) takes float16/bfloat16 with head_dim in "
                          f"{MMA_HEAD_DIMS}, got {dtype} with head_dim {head_dim}")
@@ -198,6 +225,7 @@ def ci_configs() -> list[KernelConfig]:
     configs += [decode_config("bfloat16", 128, 16, g, t) for g in (1, 2, 3, 5, 6, 7, 8)
                 for t in (DecodeTuning(), MmaTuning())]
     configs += [decode_config(dtype, 128, 16, 4, t) for dtype in ("float16", "bfloat16") for t in CANDIDATES.values()]
+    configs += [prefill_config("bfloat16", 128, 16, 3, schedule=s) for s in PREFILL_V3_SCHEDULES.values()]
     configs += [KernelConfig("fused_ops.cu", (("PR_DTYPE", code),)) for code in DTYPE_CODES.values()]  # kernels.fused
     return list(dict.fromkeys(configs))  # each once, in order
 

@@ -158,7 +158,8 @@ def _decode_kernel(version: int, tuning, elem_size: int, head_dim: int):
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                   max_query_len: int | None = None, max_context_len: int | None = None,
-                  out: torch.Tensor | None = None, version: int | None = None, check: bool = True) -> torch.Tensor:
+                  out: torch.Tensor | None = None, version: int | None = None,
+                  schedule: build.PrefillV3Schedule | None = None, check: bool = True) -> torch.Tensor:
     """Prefill / chunked prefill: each sequence's query rows attend causally to its context.
 
     q [num_tokens, num_heads, head_dim]; query_start_loc [num_seqs + 1] int32; the rows of sequence
@@ -167,7 +168,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     bfloat16 at vLLM's head sizes, splitk.MMA_HEAD_DIMS), 3 on Hopper's wgmma (float16 / bfloat16 at
     head_dim 64 or 128 on an sm_90 device); a version that does not apply runs the next one down, and
     None (the default) asks for the fastest: 3 -> 2 -> 1, a choice made from the model's shapes and
-    the device, never from the batch.
+    the device, never from the batch. `schedule` (v3 only) picks v3's compile-time knobs (benchmark
+    experiments); None: prefill_v3_schedule's choice, which never changes a bit.
     """
     shape = validate.check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if version not in (None, *PREFILL_VERSIONS):
@@ -200,13 +202,41 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         smem = 4 * (PREFILL_ROWS * shape.head_dim + 32 * (shape.head_dim + 4))
     if max_query_len > _MAX_GRID_YZ * rows:
         raise ValueError(f"max_query_len = {max_query_len} is above the {_MAX_GRID_YZ * rows} one launch covers")
+    q_tiles = -(-max_query_len // rows)
+    grid, extra = (shape.num_seqs, shape.num_heads, q_tiles), ()
     config = build.prefill_config(_dtype_name(q), shape.head_dim, shape.block_size, version)
-    grid = (shape.num_seqs, shape.num_heads, -(-max_query_len // rows))
+    if version == 3:  # v3 also takes num_seqs and q_tiles (its persistent grid numbers the work items with them)
+        schedule = schedule or prefill_v3_schedule(max_context_len)
+        config = build.prefill_config(_dtype_name(q), shape.head_dim, shape.block_size, version, schedule=schedule)
+        extra = (np.int32(shape.num_seqs), np.int32(q_tiles))
+        if schedule.persistent:
+            grid = (min(shape.num_seqs * shape.num_heads * q_tiles, _num_sms(q.device)), 1, 1)
     _launch(config, name, q.device, grid,
             (_ptr(out), _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(context_lens),
              _ptr(query_start_loc), np.int32(shape.max_blocks), np.int32(shape.num_heads),
-             np.int32(shape.num_kv_heads), np.float32(scale)), shared_mem=smem, threads=threads)
+             np.int32(shape.num_kv_heads), np.float32(scale), *extra), shared_mem=smem, threads=threads)
     return out
+
+
+PREFILL_V3_PERSISTENT_MAX_CONTEXT = 2048  # prefill_v3_schedule: the persistent grid up to this context
+
+
+def prefill_v3_schedule(max_context_len: int) -> build.PrefillV3Schedule:
+    """Prefill v3's schedule for a launch whose longest context is `max_context_len` (H200, bf16, 32 / 8
+    heads, head_dim 128, same pool as FlashInfer, 2026-12-01, us at 16 x 512 / 4 x 2048 / 1 x 8192 /
+    chunk 2048 @ 8192): the persistent grid 143 / 341 / 1159 / 526, the plain grid with the block table
+    shuffled 171 / 355 / 1146 / 489. Work items of at most 16 key tiles gain from a CTA that loads the
+    next item's Q and first tile under its last ones; long items lose. Both take the same epilogue
+    (rcp_epilogue), so the choice never changes a bit: a row's result depends only on its position and
+    the key-tile grid, whatever else the batch holds (a GPU test crosses the threshold)."""
+    if max_context_len <= PREFILL_V3_PERSISTENT_MAX_CONTEXT:
+        return build.PrefillV3Schedule(persistent=True, rcp_epilogue=True)
+    return build.PrefillV3Schedule(rcp_epilogue=True, bt_shfl=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)

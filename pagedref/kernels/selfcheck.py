@@ -26,6 +26,11 @@ from pagedref.kernels import testing
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
+# Prefill v3's schedules beside the launcher's (launch.prefill_v3_schedule: persistent rcp on
+# selfcheck's contexts), at bfloat16 / 128 / 16 (build.PREFILL_V3_SCHEDULES).
+V3_SCHEDULES = ("plain", "persistent", "rcp bt", "persistent rcp bt")
+
+
 def run_prefill(p: testing.PagedProblem, **kw) -> torch.Tensor:
     return kernels.paged_prefill(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.query_start_loc,
                                  p.scale, **kw)
@@ -77,6 +82,13 @@ def check_attention(head_dims: set[int] | None = None, only: str | list[str] | N
                                    head_dim=head_dim, block_size=block_size, dtype=dtype)
         runs += [(f"prefill v3 {dtype} head_dim={head_dim} block_size={block_size}", pre,
                   lambda p=pre: run_prefill(p, version=3))]
+    # Its other schedules, on more work items than an H200 has SMs (a persistent CTA walks several).
+    from pagedref.kernels.build import PREFILL_V3_SCHEDULES
+
+    pre = testing.make_problem([1100, 530, 150, 7, 300] * 2, [300, 90, 150, 7, 300] * 2, num_heads=16, num_kv_heads=4,
+                               head_dim=128, block_size=16, dtype=torch.bfloat16)
+    runs += [(f"prefill v3 schedule {name}", pre, lambda p=pre, s=PREFILL_V3_SCHEDULES[name]: run_prefill(
+        p, version=3, schedule=s)) for name in V3_SCHEDULES]
     # vLLM's other head sizes: v3's partial K pieces and V bands (80: 16 + 16; 96: 32; 112: 16 + 32 +
     # 16; 120: 16 + 8 and 32 + 16 + 8; 192: three whole bands at 2 CTAs/SM), prefill v2's padding to
     # 128 (120) and its query in shared memory (192); float32 on CUDA cores at 120.
