@@ -204,13 +204,13 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"max_query_len = {max_query_len} is above the {_MAX_GRID_YZ * rows} one launch covers")
     q_tiles = -(-max_query_len // rows)
     grid, extra = (shape.num_seqs, shape.num_heads, q_tiles), ()
-    config = build.prefill_config(_dtype_name(q), shape.head_dim, shape.block_size, version)
     if version == 3:  # v3 also takes num_seqs and q_tiles (its persistent grid numbers the work items with them)
         schedule = schedule or prefill_v3_schedule(max_context_len)
-        config = build.prefill_config(_dtype_name(q), shape.head_dim, shape.block_size, version, schedule=schedule)
         extra = (np.int32(shape.num_seqs), np.int32(q_tiles))
         if schedule.persistent:
             grid = (min(shape.num_seqs * shape.num_heads * q_tiles, _num_sms(q.device)), 1, 1)
+    config = build.prefill_config(_dtype_name(q), shape.head_dim, shape.block_size, version,
+                                  schedule=schedule or build.PrefillV3Schedule())
     _launch(config, name, q.device, grid,
             (_ptr(out), _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(context_lens),
              _ptr(query_start_loc), np.int32(shape.max_blocks), np.int32(shape.num_heads),
