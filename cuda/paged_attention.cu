@@ -45,10 +45,11 @@
 //      per byte drop ~4x and the loads of the next slab fly while this one is computed. Its own
 //      section below says how the fragments line up with plain 16-byte loads. The default decode
 //      kernel (1024-token partitions) wherever it applies; v2 (512) everywhere else.
-//   v3 with MERGE_IN_KERNEL=1: the last partition CTA of each (sequence, head group) to finish
-//      merges the partitions itself (a ticket counter per group, flash-decoding's "last block
-//      reduces"), so no reduce launch follows; the same operations in the same order per output
-//      element as paged_attention_reduce, hence the same bits.
+//   v3 with MERGE_IN_KERNEL=1 (candidates, not the default): the last partition CTA of each
+//      (sequence, head group) to finish merges the partitions itself (a ticket counter per group,
+//      flash-decoding's "last block reduces"), so no reduce launch follows; the same operations in
+//      the same order per output element as paged_attention_reduce, hence the same bits. Measured
+//      slower than the reduce launch in its first form (see merge_partitions).
 //   Bit-level consequences: every reduction runs in an order fixed by (HEAD_DIM, PARTITION_SIZE,
 //   THREADS_PER_TOKEN, NUM_THREADS) and by token index only, so a sequence's result is the same
 //   bits whatever physical blocks hold its K/V, whatever else is in the batch, and however the
@@ -102,11 +103,6 @@ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 #define THREADS_PER_TOKEN cmin(pow2_ceil(HEAD_DIM / VEC), PR_WARP)
 #endif
 constexpr int TPT = THREADS_PER_TOKEN;
-constexpr int NCHUNK = (HEAD_DIM + TPT * VEC - 1) / (TPT * VEC);
-constexpr int TOK_PER_ITER = NUM_THREADS / TPT;
-constexpr int STEP = TOK_PER_ITER * UNROLL;
-// v2's shared scratch: the logits [G][PARTITION_SIZE], later the per-warp partial sums.
-constexpr int SMEM_FLOATS = cmax(G * PARTITION_SIZE, NUM_WARPS * G * HEAD_DIM);
 
 static_assert(HEAD_DIM % VEC == 0, "HEAD_DIM must be a multiple of 16 bytes of elements");
 static_assert(HEAD_DIM <= 256, "HEAD_DIM above 256 is not supported");
@@ -194,9 +190,23 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v1(
   }
 }
 
+#ifndef DECODE_MMA
+#define DECODE_MMA 0
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // v2: split-K over fixed partitions, a group of query heads per CTA, 16-byte loads.
 // ---------------------------------------------------------------------------------------------
+// Not in a v3 module (-DDECODE_MMA=1, its own config, which never launches v2): there v2's logits,
+// [G][PARTITION_SIZE] floats of static shared memory, would have to fit 48 KB at v3's partition
+// sizes too (8 heads x 2048 tokens do not).
+#if !DECODE_MMA
+constexpr int NCHUNK = (HEAD_DIM + TPT * VEC - 1) / (TPT * VEC);
+constexpr int TOK_PER_ITER = NUM_THREADS / TPT;
+constexpr int STEP = TOK_PER_ITER * UNROLL;
+// v2's shared scratch: the logits [G][PARTITION_SIZE], later the per-warp partial sums.
+constexpr int SMEM_FLOATS = cmax(G * PARTITION_SIZE, NUM_WARPS * G * HEAD_DIM);
+
 // Where the UNROLL tokens of pipeline step `step` are for this thread: token t of the partition
 // (t < n), 16-byte slice c of its row. Threads past the partition's end get nullptr.
 __device__ __forceinline__ const scalar_t *token_slice(const scalar_t *__restrict__ cache, const int *blocks_s,
@@ -471,6 +481,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
     }
   }
 }
+#endif  // !DECODE_MMA
 
 // ---------------------------------------------------------------------------------------------
 // v3: split-K on the tensor cores, one pass. Compiled only with -DDECODE_MMA=1 (its own config).
@@ -515,9 +526,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
 // Scope: 16-bit K/V, HEAD_DIM a multiple of 8 from 64 to 256, up to 8 heads per CTA; the launcher
 // runs v2 elsewhere (pagedref.kernels.splitk.mma_supported). The query is re-read from shared
 // memory each slab rather than held in 16 registers: that is what fits 4 CTAs per SM at head_dim 128.
-#ifndef DECODE_MMA
-#define DECODE_MMA 0
-#endif
 #ifndef KV_LOAD_HINT
 #define KV_LOAD_HINT 0
 #endif
@@ -705,44 +713,112 @@ __device__ __forceinline__ void store_o(float (*o_s)[HEAD_DIM], const float (&o)
 // increasing from 0; acc / total), so the result is the two-launch result, bit for bit, whichever
 // CTA comes last (tests/test_kernels_gpu.py holds it). Which thread computes an element does not
 // enter the arithmetic; the max M is exact in any order.
-constexpr int MERGE_CHUNK = 32;  // partitions whose weights pass through shared memory at a time
+// Measured (H200, 2026-12-01, `python -m pagedref.bench kernel --no-prefill --peers flashinfer`, graphed,
+// GB/s and share of FlashInfer's tensor-core decode), with the merge's loads issued one after the
+// other (each thread: its G heads x partitions ld.cg in series):
+//   shape                       (64,4096)      (256,1024)     (8,32768)      (32,512)       (256,512)      (1,131072)
+//   FlashInfer                  4247           4022           4228           2537           3648           3933
+//   p1024, reduce launch        4144 (97.6%)   4260 (105.9%)  4149 (98.1%)   2970 (117.1%)  4037 (110.7%)  3801 (96.6%)
+//   p1024, merged in kernel     4086 (96.2%)   4257 (105.9%)  4011 (94.9%)   2937 (115.8%)  4029 (110.4%)  2913 (74.1%)
+//   p2048, reduce launch        4177 (98.3%)   4263 (106.0%)  4202 (99.4%)   2966 (116.9%)  4037 (110.7%)  3988 (101.4%)
+//   p2048, merged in kernel     4137 (97.4%)   4259 (105.9%)  4126 (97.6%)   2931 (115.5%)  4027 (110.4%)  3476 (88.4%)
+// The merge sits on a group's critical path while L2 is busy with everyone's K/V, and a serial chain
+// of round trips (G x partitions) cost more than the launch it saved: 43 us at (1, 131072), where 8
+// CTAs merge 128 partitions each. So the loads are now issued MERGE_UNROLL partitions at a time (all
+// of them for up to MERGE_UNROLL partitions), before the weights need the max; that form is not
+// measured yet.
+constexpr int MERGE_CHUNK = PR_WARP;  // partitions whose weights pass through shared memory at a time
 constexpr int MERGE_PER_THREAD = (G * HEAD_DIM + NUM_THREADS - 1) / NUM_THREADS;  // output elements per thread
+// Partitions whose partial outputs a thread has in flight at once (MERGE_PER_THREAD loads each):
+// the merge runs while other CTAs stream K/V, so its L2 round trips, not its arithmetic, set its time.
+// About an eighth of the registers MIN_CTAS_PER_SM leaves a thread (more spilled at head_dim 64 and 80).
+constexpr int MERGE_LOADS = 65536 / (NUM_THREADS * MIN_CTAS_PER_SM) / 8;
+constexpr int pow2_floor(int x) { return x < 2 ? 1 : 2 * pow2_floor(x / 2); }
+constexpr int MERGE_UNROLL = pow2_floor(MERGE_LOADS / MERGE_PER_THREAD);
+constexpr int MERGE_HEADS_PER_WARP = (G + NUM_WARPS - 1) / NUM_WARPS;
+
+// This thread's partial outputs of partitions p .. p + MERGE_UNROLL - 1 (zeros past num_parts): its
+// output element k is i = tid + k * NUM_THREADS, head i / HEAD_DIM, dim i % HEAD_DIM. The partials
+// were written by other CTAs of this launch: read through L2 (ld.cg), never a stale L1 line.
+__device__ __forceinline__ void load_partials(float (&ov)[MERGE_UNROLL][MERGE_PER_THREAD], const float *tmp_out,
+                                              long long row0, int max_parts, int p, int num_parts) {
+#pragma unroll
+  for (int u = 0; u < MERGE_UNROLL; ++u)
+#pragma unroll
+    for (int k = 0; k < MERGE_PER_THREAD; ++k) {
+      const int i = threadIdx.x + k * NUM_THREADS;
+      ov[u][k] = p + u < num_parts && i < G * HEAD_DIM
+                     ? __ldcg(tmp_out + ((row0 + i / HEAD_DIM) * max_parts + p + u) * HEAD_DIM + i % HEAD_DIM)
+                     : 0.f;
+    }
+}
 
 // Merge the partitions of query heads row0 .. row0 + G - 1 (rows of [num_seqs * num_heads]) into out.
-// The partials were written by other CTAs of this launch: read through L2 (ld.cg), never a stale L1 line.
+// Every load that does not wait for the max is issued first (the first partial outputs, the first
+// chunk's maxima and exp-sums, the maxima past it), so a merge of up to MERGE_UNROLL partitions
+// takes about one L2 round trip.
 // Not inlined: inlined, its registers pushed v3 (bf16, head_dim 128, 128 registers) into an 8-byte spill.
 __device__ __noinline__ void merge_partitions(scalar_t *__restrict__ out, const float *tmp_out,
-                                                 const float *max_logits, const float *exp_sums, long long row0,
-                                                 int num_parts, int max_parts) {
-  __shared__ float w_s[G][MERGE_CHUNK];  // a chunk of each head's partition weights
+                                              const float *max_logits, const float *exp_sums, long long row0,
+                                              int num_parts, int max_parts) {
+  __shared__ float m_s[G][MERGE_CHUNK];  // a chunk of each head's partition maxima, then their weights
+  __shared__ float e_s[G][MERGE_CHUNK];  // ... and exp-sums
   __shared__ float max_s[G];             // each head's largest partition max M
   const int tid = threadIdx.x, warp = tid / PR_WARP, lane = tid % PR_WARP;
-  for (int g = warp; g < G; g += NUM_WARPS) {
-    float m = neg_inf();
-    for (int p = lane; p < num_parts; p += PR_WARP) m = fmaxf(m, __ldcg(max_logits + (row0 + g) * max_parts + p));
-    m = group_max<PR_WARP>(m);
-    if (lane == 0) max_s[g] = m;
+  float ov[MERGE_UNROLL][MERGE_PER_THREAD];
+  load_partials(ov, tmp_out, row0, max_parts, 0, num_parts);
+  float far[MERGE_HEADS_PER_WARP];  // the max of head warp + j * NUM_WARPS's partitions past the first chunk
+#pragma unroll
+  for (int j = 0; j < MERGE_HEADS_PER_WARP; ++j) {
+    const int g = warp + j * NUM_WARPS;
+    far[j] = neg_inf();
+    if (g < G)
+#pragma unroll 4
+      for (int p = MERGE_CHUNK + lane; p < num_parts; p += PR_WARP)
+        far[j] = fmaxf(far[j], __ldcg(max_logits + (row0 + g) * max_parts + p));
   }
   float acc[MERGE_PER_THREAD], total[MERGE_PER_THREAD];
 #pragma unroll
   for (int k = 0; k < MERGE_PER_THREAD; ++k) acc[k] = total[k] = 0.f;
   for (int p0 = 0; p0 < num_parts; p0 += MERGE_CHUNK) {
     const int np = min(MERGE_CHUNK, num_parts - p0);
-    __syncthreads();  // max_s written (first chunk); the previous chunk's weights consumed
+    if (p0 > 0) __syncthreads();  // the previous chunk's weights are consumed
     for (int i = tid; i < G * MERGE_CHUNK; i += NUM_THREADS) {
       const int g = i / MERGE_CHUNK, p = i % MERGE_CHUNK;
       const long long at = (row0 + g) * max_parts + p0 + p;
-      if (p < np) w_s[g][p] = __ldcg(exp_sums + at) * expf(__ldcg(max_logits + at) - max_s[g]);
+      if (p < np) m_s[g][p] = __ldcg(max_logits + at), e_s[g][p] = __ldcg(exp_sums + at);
     }
     __syncthreads();
+    if (p0 == 0) {  // M over every partition (exact in any order): the first chunk's, then those past it
 #pragma unroll
-    for (int k = 0; k < MERGE_PER_THREAD; ++k) {
-      const int i = tid + k * NUM_THREADS, g = i / HEAD_DIM, d = i % HEAD_DIM;
-      if (i >= G * HEAD_DIM) continue;
-      const float *o = tmp_out + ((row0 + g) * max_parts + p0) * HEAD_DIM + d;
-      for (int p = 0; p < np; ++p) {
-        total[k] += w_s[g][p];
-        acc[k] = fmaf(w_s[g][p], __ldcg(o + (long long)p * HEAD_DIM), acc[k]);
+      for (int j = 0; j < MERGE_HEADS_PER_WARP; ++j) {
+        const int g = warp + j * NUM_WARPS;  // warp-uniform
+        if (g >= G) continue;
+        const float m = group_max<PR_WARP>(lane < np ? fmaxf(far[j], m_s[g][lane]) : far[j]);
+        if (lane == 0) max_s[g] = m;
+      }
+      __syncthreads();
+    }
+    // The weights, as paged_attention_reduce computes them: w_p = l_p * expf(m_p - M).
+    for (int i = tid; i < G * MERGE_CHUNK; i += NUM_THREADS) {
+      const int g = i / MERGE_CHUNK, p = i % MERGE_CHUNK;
+      if (p < np) m_s[g][p] = e_s[g][p] * expf(m_s[g][p] - max_s[g]);
+    }
+    __syncthreads();
+    // total += w_p and acc = fmaf(w_p, o_p, acc), p in increasing order: the reduce kernel's sums.
+    for (int p = 0; p < np; p += MERGE_UNROLL) {
+      if (p0 + p > 0) load_partials(ov, tmp_out, row0, max_parts, p0 + p, num_parts);
+#pragma unroll
+      for (int u = 0; u < MERGE_UNROLL; ++u) {
+        if (p + u >= np) break;
+#pragma unroll
+        for (int k = 0; k < MERGE_PER_THREAD; ++k) {
+          const int i = tid + k * NUM_THREADS;
+          if (i >= G * HEAD_DIM) continue;
+          const float w = m_s[i / HEAD_DIM][p + u];
+          total[k] += w;
+          acc[k] = fmaf(w, ov[u][k], acc[k]);
+        }
       }
     }
   }

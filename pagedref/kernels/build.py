@@ -122,8 +122,10 @@ CANDIDATES: dict[str, DecodeTuning | MmaTuning] = {
     "v3 mma prefetch": MmaTuning(prefetch=True, min_ctas_per_sm=3),  # 134 registers: 4 CTAs would spill
     "v3 mma p512 prefetch": MmaTuning(partition_size=512, prefetch=True, min_ctas_per_sm=3),
     "v3 mma p2048": MmaTuning(partition_size=2048),
+    # the last partition CTA merges (no reduce launch): same bits as the same partitions merged by the reduce kernel
     "v3 mma merge in kernel": MmaTuning(merge_in_kernel=True),
     "v3 mma p2048 merge in kernel": MmaTuning(partition_size=2048, merge_in_kernel=True),
+    "v3 mma p4096 merge in kernel": MmaTuning(partition_size=4096, merge_in_kernel=True),
 }
 
 
