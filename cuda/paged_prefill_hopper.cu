@@ -64,12 +64,31 @@
 // noise there). Tried before and not kept (commits fb77e6b and 99c42e8, in the history): FA3's
 // intra-warpgroup overlap of softmax with P V and ping-pong between the consumers (at most 2% on top of
 // a persistent grid, or up to 8% lost). What is left is named in the stage 5 lesson.
+// V3_OVERLAP (unmeasured; the launcher never takes it: PREFILL_V3_SCHEDULES' "rcp bt overlap" and
+// "persistent rcp overlap"): FA3's intra-warpgroup overlap (its paper's section 3.2; IntraWGOverlap in
+// its hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp) on this loop. Why: the long shapes are main-loop bound
+// (1 x 8192: 88% of FlashInfer), and without it a consumer's tensor-core work stops for each tile's
+// softmax (only the other consumer's mmas fill the gap). What: per key tile t, a consumer issues S_t =
+// Q K_t^T and then O += P_{t-1} V_{t-1}, waits for S_t alone (wgmma.wait_group 1), masks and runs
+// tile t's softmax while P_{t-1} V_{t-1} runs, then waits for it, releases stage t - 1, scales O by
+// corr_t and packs P_t; the last P V follows the loop (consume()). Costs: P_{t-1} (TK / 16 x 4 packed
+// registers = 32) stays live beside S_t (64) and O (HEAD_DIM / 2): the consumers' highest register is
+// R194 (plain grid) / R210 (persistent) of their 232 / 224 at HEAD_DIM 128, R155 / R167 at 64, no spill; stage
+// t - 1 is released a softmax later, so a consumer holds two stages while it waits for a third
+// (KV_STAGES >= 3). Bits: a row gets the same operations in the same order (O * corr_t, then + P_t V_t,
+// tile after tile; one softmax_tile for both), so the same bits as without it. ptxas: it schedules within
+// a basic block and puts a wgmma wait as early in its block as it may, so with the softmax and the wait
+// for P V in one block the wait lands before the exps and nothing overlaps. That is what 99c42e8's
+// "overlap 2" compiles to with CUDA 13.0's ptxas (its two waits back to back, ahead of the softmax): what
+// it measured was likely no overlap at all. Here the next tile's "full" wait, a spin loop, ends the
+// softmax's block (cuobjdump -sass: WARPGROUP.DEPBAR.LE gsb0, 0x1, the softmax's MUFU.EX2s, then
+// DEPBAR.LE gsb0, 0x0; test_kernels_prefill_v3.py checks it where cuobjdump is installed).
 //
 // Launch: grid (num_seqs, num_heads, ceil(max_query_len / TQ)), or (min(work items, SMs)) persistent;
 // block 384 threads, dynamic shared memory prefill_v3_shared_bytes (build.py): TQ + 2 * KV_STAGES * TK
 // rows of HEAD_DIM * 2 bytes, 1 KB of alignment slack and the mbarriers.
 // Compile-time parameters (-D): PR_DTYPE (1 or 2), HEAD_DIM (64 or 128), BLOCK_SIZE, KV_STAGES,
-// V3_PERSISTENT, V3_RCP_EPILOGUE, V3_BT_SHFL, V3_PRODUCER_REGS.
+// V3_PERSISTENT, V3_RCP_EPILOGUE, V3_BT_SHFL, V3_OVERLAP, V3_PRODUCER_REGS.
 #define PREFILL_WGMMA 1
 #include "common.cuh"
 
@@ -87,7 +106,11 @@ static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "prefill v3 takes HEAD_DIM 64 o
 #ifndef V3_BT_SHFL
 #define V3_BT_SHFL 0  // 1: one block-table load per lane and tile, shared by shuffles (produce)
 #endif
+#ifndef V3_OVERLAP
+#define V3_OVERLAP 0  // 1: FA3's intra-warpgroup overlap: a tile's softmax under the previous tile's P V (consume)
+#endif
 static_assert(KV_STAGES >= 2 && KV_STAGES <= 4, "KV_STAGES from 2 to 4");
+static_assert(!V3_OVERLAP || KV_STAGES >= 3, "V3_OVERLAP holds two stages while it waits for a third");
 
 constexpr int WG = 128;                  // threads per warpgroup
 constexpr int V3_THREADS = 3 * WG;       // producer + 2 consumers (build.PREFILL_V3_THREADS)
@@ -151,6 +174,9 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, int parity) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_but_one() {  // every committed group but the newest is done
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
 
 // Keep the compiler from moving accumulator reads or writes across a wgmma boundary.
 template <int N>
@@ -284,11 +310,103 @@ __device__ __forceinline__ void write_rows_v3(scalar_t *out, const float (&o)[HE
 #endif
 }
 
+// S = Q K^T over HEAD_DIM / 16 k-steps of 32 bytes (4 per 128-byte column block); one commit group.
+// q_wg: this consumer's 64 rows of Q; k_s: the stage's K tile [TK rows]. sc: 64 x TK fp32 per warpgroup.
+__device__ __forceinline__ void issue_s(float (&sc)[TK / 2], unsigned q_wg, unsigned k_s) {
+#pragma unroll
+  for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+    wgmma_ss(sc, wgmma_desc(q_wg + (kk / 4) * TQ * 128 + (kk % 4) * 32, 16, 1024),
+             wgmma_desc(k_s + (kk / 4) * TK * 128 + (kk % 4) * 32, 16, 1024), kk > 0);
+  wgmma_commit();
+}
+
+// O += P V over TK / 16 k-steps of 16 keys (2048 bytes of V each); P's A fragment kk = S's accumulators
+// of keys 16 kk .. + 15, packed (pack_p). One commit group. o: 64 x HEAD_DIM fp32 per warpgroup.
+__device__ __forceinline__ void issue_pv(float (&o)[HEAD_DIM / 2], const unsigned (&pf)[TK / 16][4], unsigned v_s) {
+#pragma unroll
+  for (int kk = 0; kk < TK / 16; ++kk)
+    wgmma_rs(o, pf[kk][0], pf[kk][1], pf[kk][2], pf[kk][3], wgmma_desc(v_s + kk * 2048, TK * 128, 1024), 1);
+  wgmma_commit();
+}
+
+// One tile's scores -> P, in place (sc: keys key0 + 8 j + 2 tig + e % 2 of rows lo (e < 2) and hi): the
+// causal mask where `masked`, then the online softmax in log2 units, p = 2^(s * scale_log2 - m *
+// scale_log2) (one fma and one ex2); the running max m (raw score units) and this lane's exp-sums l move
+// on, and corr = 2^((m_old - m_new) * scale_log2) is what O must be scaled by before this tile's P V.
+// Both schedules of consume() call this: a row's arithmetic is written once.
+__device__ __forceinline__ void softmax_tile(float (&sc)[TK / 2], int key0, bool masked, int pos_lo, int pos_hi,
+                                             int tig, float scale_log2, float &m_lo, float &m_hi, float &l_lo,
+                                             float &l_hi, float &corr_lo, float &corr_hi) {
+  if (masked) {
+#pragma unroll
+    for (int j = 0; j < TK / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (key0 + 8 * j + 2 * tig + e % 2 > (e < 2 ? pos_lo : pos_hi)) sc[4 * j + e] = neg_inf();
+  }
+  float mx_lo = m_lo, mx_hi = m_hi;
+#pragma unroll
+  for (int j = 0; j < TK / 8; ++j) {
+    mx_lo = fmaxf(mx_lo, fmaxf(sc[4 * j], sc[4 * j + 1]));
+    mx_hi = fmaxf(mx_hi, fmaxf(sc[4 * j + 2], sc[4 * j + 3]));
+  }
+#pragma unroll
+  for (int off = 1; off < 4; off *= 2) {  // over the row's 4 lanes
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(PR_FULL_MASK, mx_lo, off));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(PR_FULL_MASK, mx_hi, off));
+  }
+  // Finite: tile 0 holds key 0, which every row sees; later tiles start from a finite m.
+  corr_lo = exp2_approx((m_lo - mx_lo) * scale_log2);
+  corr_hi = exp2_approx((m_hi - mx_hi) * scale_log2);
+  m_lo = mx_lo;
+  m_hi = mx_hi;
+  const float ms_lo = mx_lo * scale_log2, ms_hi = mx_hi * scale_log2;
+  l_lo *= corr_lo;
+  l_hi *= corr_hi;
+#pragma unroll
+  for (int j = 0; j < TK / 8; ++j) {
+    sc[4 * j] = exp2_approx(fmaf(sc[4 * j], scale_log2, -ms_lo));
+    sc[4 * j + 1] = exp2_approx(fmaf(sc[4 * j + 1], scale_log2, -ms_lo));
+    sc[4 * j + 2] = exp2_approx(fmaf(sc[4 * j + 2], scale_log2, -ms_hi));
+    sc[4 * j + 3] = exp2_approx(fmaf(sc[4 * j + 3], scale_log2, -ms_hi));
+    l_lo += sc[4 * j] + sc[4 * j + 1];
+    l_hi += sc[4 * j + 2] + sc[4 * j + 3];
+  }
+}
+
+// O's rows scaled by their softmax correction (O's layout: o[4 n + e], row lo for e < 2, hi else).
+__device__ __forceinline__ void rescale_o(float (&o)[HEAD_DIM / 2], float corr_lo, float corr_hi) {
+#pragma unroll
+  for (int n = 0; n < HEAD_DIM / 8; ++n) {
+    o[4 * n] *= corr_lo;
+    o[4 * n + 1] *= corr_lo;
+    o[4 * n + 2] *= corr_hi;
+    o[4 * n + 3] *= corr_hi;
+  }
+}
+
+// P's A fragments for O += P V: S's accumulators of keys 16 kk .. 16 kk + 15, packed to 16 bits.
+__device__ __forceinline__ void pack_p(unsigned (&pf)[TK / 16][4], const float (&sc)[TK / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < TK / 16; ++kk) {
+    pf[kk][0] = pack2(sc[8 * kk], sc[8 * kk + 1]);
+    pf[kk][1] = pack2(sc[8 * kk + 2], sc[8 * kk + 3]);
+    pf[kk][2] = pack2(sc[8 * kk + 4], sc[8 * kk + 5]);
+    pf[kk][3] = pack2(sc[8 * kk + 6], sc[8 * kk + 7]);
+  }
+}
+
 // A consumer warpgroup on one work item: 64 query rows (the item's rows 64 * cw ..); warp w of it owns
 // rows 16 w .. 16 w + 15, this lane rows grp and grp + 8 (the accumulator layout of wgmma,
 // mma.m16n8k16's per warp: element 4 j + e of S or O is row grp + 8 (e / 2), column 8 j + 2 tig + e % 2).
 // g: the CTA's key tiles before this item (0 on the plain grid), so tile t is the ring's tile g + t.
 // On a persistent grid the consumer's warps arrive on q_empty once Q is read for the last time.
+// Its key tiles 0 .. last hold keys its rows see (the tiles after: an exact no-op, only released).
+// Per tile t, V3_OVERLAP 0: S_t = Q K_t^T, wait; softmax; O = O * corr_t; O += P_t V_t, wait; release
+// the stage. V3_OVERLAP 1 (FA3's intra-warpgroup overlap): issue S_t, then O += P_{t-1} V_{t-1}; wait
+// for S_t alone and run its softmax while P_{t-1} V_{t-1} runs; wait for it, release stage t - 1,
+// O = O * corr_t, pack P_t; after the last tile, O += P_last V_last. Per row both are the same
+// sequence of the same operations (O * corr_t, then + P_t V_t, tile after tile): the same bits.
 __device__ __forceinline__ void consume(scalar_t *__restrict__ out, int q0, int qlen, int row0, int first_pos, int h,
                                         long long q_row_stride, unsigned q_s, unsigned kv_s, unsigned full,
                                         unsigned empty, unsigned q_empty, int num_tiles, int g, float scale,
@@ -307,8 +425,75 @@ __device__ __forceinline__ void consume(scalar_t *__restrict__ out, int q0, int 
   float o[HEAD_DIM / 2];
 #pragma unroll
   for (int i = 0; i < HEAD_DIM / 2; ++i) o[i] = 0.f;
-  float m_lo = neg_inf(), m_hi = neg_inf(), l_lo = 0.f, l_hi = 0.f;  // running max (raw score units), exp-sums
+  // Running max (raw score units) and exp-sums; declared in this order, the schedules without V3_OVERLAP
+  // compile to the very instructions they did before softmax_tile took them by reference.
+  float l_hi = 0.f, l_lo = 0.f, m_hi = neg_inf(), m_lo = neg_inf();
 
+#if V3_OVERLAP
+  // Uniform as ptxas sees it (a shuffle from lane 0; qlen and the positions come from memory): wgmmas
+  // in flight across branches it thought divergent would be serialised (its C7520).
+  const int last = __shfl_sync(PR_FULL_MASK, active ? wg_last / TK : -1, 0);
+  // Tile t's stage holds its K and V once its "full" barrier completed this phase.
+  auto wait_full = [&](int t) { mbar_wait(full + 8 * ((g + t) % KV_STAGES), ((g + t) / KV_STAGES) & 1); };
+  if (last >= 0) {
+    unsigned pf[TK / 16][4];  // P of the latest tile, packed: the A operand of its O += P V, issued a tile later
+    // Tile 0 alone (no P V before it), so that no wgmma of the loop sits in a branch: with P V under an
+    // `if (t > 0)`, copies of O at the join fell between that wgmma and its wait, and ptxas serialised
+    // every wgmma (its C7514).
+    {
+      wait_full(0);
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async wrote it (see the loop)
+      float sc[TK / 2];
+      wgmma_fence();
+      issue_s(sc, q_wg, kv_s + g % KV_STAGES * STAGE_BYTES);
+      wgmma_wait_all();
+      fence_regs(sc);
+      if (V3_PERSISTENT && last == 0) release(q_empty, lane);
+      float corr_lo, corr_hi;
+      softmax_tile(sc, 0, TK - 1 > wg_first, pos_lo, pos_hi, tig, scale_log2, m_lo, m_hi, l_lo, l_hi, corr_lo,
+                   corr_hi);
+      rescale_o(o, corr_lo, corr_hi);
+      pack_p(pf, sc);
+      if (last > 0) wait_full(1);
+    }
+    for (int t = 1; t <= last; ++t) {  // tile t's stage is full (waited for a step before)
+      const int stage = (g + t) % KV_STAGES, prev = (g + t - 1) % KV_STAGES;
+      // The stage was written by cp.async (the generic proxy); the tensor cores read it through the async proxy.
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      float sc[TK / 2];
+      wgmma_fence();
+      issue_s(sc, q_wg, kv_s + stage * STAGE_BYTES);
+      issue_pv(o, pf, kv_s + prev * STAGE_BYTES + TILE_BYTES);  // tile t - 1's, behind S_t
+      wgmma_wait_but_one();  // S_t is done; P_{t-1} V_{t-1} may still run (it reads pf and accumulates into o)
+      fence_regs(sc);
+      // The last tile of this consumer's rows: Q is read, the producer may load the next item's over it.
+      if (V3_PERSISTENT && t == last) release(q_empty, lane);
+      float corr_lo, corr_hi;
+      softmax_tile(sc, t * TK, t * TK + TK - 1 > wg_first, pos_lo, pos_hi, tig, scale_log2, m_lo, m_hi, l_lo, l_hi,
+                   corr_lo, corr_hi);
+      // The next tile's stage, waited for here, between the softmax and P V's wait: ptxas schedules within
+      // a basic block and moves a wgmma wait as early in it as it may, so in the softmax's block the wait
+      // would come before the exps and nothing would overlap; the barrier's spin loop ends that block.
+      // (This consumer holds stages t - 1 and t meanwhile: V3_OVERLAP needs a third, KV_STAGES >= 3.)
+      if (t < last) wait_full(t + 1);
+      wgmma_wait_all();
+      fence_regs(o);
+      release(empty + 8 * prev, lane);  // this warp's mmas no longer read stage t - 1
+      rescale_o(o, corr_lo, corr_hi);
+      pack_p(pf, sc);
+    }
+    const int stage = (g + last) % KV_STAGES;
+    wgmma_fence();
+    issue_pv(o, pf, kv_s + stage * STAGE_BYTES + TILE_BYTES);
+    wgmma_wait_all();
+    fence_regs(o);
+    release(empty + 8 * stage, lane);
+  }
+  for (int t = last + 1; t < num_tiles; ++t) {  // every key of these tiles follows every row: only released
+    wait_full(t);  // (after the producer filled it: else this arrival would count toward the stage's last use)
+    release(empty + 8 * ((g + t) % KV_STAGES), lane);
+  }
+#else
   for (int t = 0; t < num_tiles; ++t) {
     const int stage = (g + t) % KV_STAGES;
     mbar_wait(full + 8 * stage, ((g + t) / KV_STAGES) & 1);
@@ -316,84 +501,29 @@ __device__ __forceinline__ void consume(scalar_t *__restrict__ out, int q0, int 
       // The stage was written by cp.async (the generic proxy); the tensor cores read it through the async proxy.
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       const unsigned k_s = kv_s + stage * STAGE_BYTES, v_s = k_s + TILE_BYTES;
-
-      // S = Q K^T over HEAD_DIM / 16 k-steps of 32 bytes (4 per 128-byte column block).
       float sc[TK / 2];
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-        wgmma_ss(sc, wgmma_desc(q_wg + (kk / 4) * TQ * 128 + (kk % 4) * 32, 16, 1024),
-                 wgmma_desc(k_s + (kk / 4) * TK * 128 + (kk % 4) * 32, 16, 1024), kk > 0);
-      wgmma_commit();
+      issue_s(sc, q_wg, k_s);
       wgmma_wait_all();
       fence_regs(sc);
       // The last tile of this consumer's rows: Q is read, the producer may load the next item's over it.
       if (V3_PERSISTENT && (t + 1) * TK > wg_last) release(q_empty, lane);
-
-      // Causal mask, only on tiles that reach past the consumer's first row (elsewhere it changes nothing).
-      if (t * TK + TK - 1 > wg_first) {
-#pragma unroll
-        for (int j = 0; j < TK / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (t * TK + 8 * j + 2 * tig + e % 2 > (e < 2 ? pos_lo : pos_hi)) sc[4 * j + e] = neg_inf();
-      }
-      // Online softmax in log2 units: p = 2^(s * scale_log2 - m * scale_log2), one fma and one ex2.
-      float mx_lo = m_lo, mx_hi = m_hi;
-#pragma unroll
-      for (int j = 0; j < TK / 8; ++j) {
-        mx_lo = fmaxf(mx_lo, fmaxf(sc[4 * j], sc[4 * j + 1]));
-        mx_hi = fmaxf(mx_hi, fmaxf(sc[4 * j + 2], sc[4 * j + 3]));
-      }
-#pragma unroll
-      for (int off = 1; off < 4; off *= 2) {  // over the row's 4 lanes
-        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(PR_FULL_MASK, mx_lo, off));
-        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(PR_FULL_MASK, mx_hi, off));
-      }
-      // Finite: tile 0 holds key 0, which every row sees; later tiles start from a finite m.
-      const float corr_lo = exp2_approx((m_lo - mx_lo) * scale_log2), corr_hi = exp2_approx((m_hi - mx_hi) * scale_log2);
-      m_lo = mx_lo;
-      m_hi = mx_hi;
-      const float ms_lo = mx_lo * scale_log2, ms_hi = mx_hi * scale_log2;
-      l_lo *= corr_lo;
-      l_hi *= corr_hi;
-#pragma unroll
-      for (int j = 0; j < TK / 8; ++j) {
-        sc[4 * j] = exp2_approx(fmaf(sc[4 * j], scale_log2, -ms_lo));
-        sc[4 * j + 1] = exp2_approx(fmaf(sc[4 * j + 1], scale_log2, -ms_lo));
-        sc[4 * j + 2] = exp2_approx(fmaf(sc[4 * j + 2], scale_log2, -ms_hi));
-        sc[4 * j + 3] = exp2_approx(fmaf(sc[4 * j + 3], scale_log2, -ms_hi));
-        l_lo += sc[4 * j] + sc[4 * j + 1];
-        l_hi += sc[4 * j + 2] + sc[4 * j + 3];
-      }
-#pragma unroll
-      for (int n = 0; n < HEAD_DIM / 8; ++n) {
-        o[4 * n] *= corr_lo;
-        o[4 * n + 1] *= corr_lo;
-        o[4 * n + 2] *= corr_hi;
-        o[4 * n + 3] *= corr_hi;
-      }
-
-      // O += P V over TK / 16 k-steps of 16 keys; P's A fragment = S's accumulators of keys 16 kk .. + 15.
+      // The causal mask only on tiles that reach past the consumer's first row (elsewhere it changes nothing).
+      float corr_lo, corr_hi;
+      softmax_tile(sc, t * TK, t * TK + TK - 1 > wg_first, pos_lo, pos_hi, tig, scale_log2, m_lo, m_hi, l_lo, l_hi,
+                   corr_lo, corr_hi);
+      rescale_o(o, corr_lo, corr_hi);
       unsigned pf[TK / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < TK / 16; ++kk) {
-        pf[kk][0] = pack2(sc[8 * kk], sc[8 * kk + 1]);
-        pf[kk][1] = pack2(sc[8 * kk + 2], sc[8 * kk + 3]);
-        pf[kk][2] = pack2(sc[8 * kk + 4], sc[8 * kk + 5]);
-        pf[kk][3] = pack2(sc[8 * kk + 6], sc[8 * kk + 7]);
-      }
+      pack_p(pf, sc);
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < TK / 16; ++kk)
-        wgmma_rs(o, pf[kk][0], pf[kk][1], pf[kk][2], pf[kk][3], wgmma_desc(v_s + kk * 2048, TK * 128, 1024), 1);
-      wgmma_commit();
+      issue_pv(o, pf, v_s);
       wgmma_wait_all();
       fence_regs(o);
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(empty + 8 * stage);  // this warp's mmas no longer read the stage
   }
+#endif
   if (!active) return;
   write_rows_v3(out, o, l_lo, l_hi, q0, wrow0 + grp, qlen, q_row_stride, h, tig);
 }

@@ -161,14 +161,15 @@ def prefill_v3_shared_bytes(head_dim: int, stages: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class PrefillV3Schedule:
-    """Prefill v3's compile-time knobs (cuda/paged_prefill_hopper.cu's header). persistent and bt_shfl
-    change the order of work only, never a row's arithmetic; rcp_epilogue changes the epilogue's
+    """Prefill v3's compile-time knobs (cuda/paged_prefill_hopper.cu's header). persistent, bt_shfl and
+    overlap change the order of work only, never a row's arithmetic; rcp_epilogue changes the epilogue's
     arithmetic (O * (1 / l) instead of O / l), the same for every row, so two schedules with the same
     rcp_epilogue give the same bits."""
 
     persistent: bool = False  # at most one CTA per SM walks the work items (snake order)
     rcp_epilogue: bool = False  # one division per row, then products
     bt_shfl: bool = False  # the producer loads a tile's block-table entries once per lane and shuffles them
+    overlap: bool = False  # FA3's intra-warpgroup overlap: a tile's softmax runs under the previous tile's P V
 
 
 # Prefill v3's schedules the benchmark times side by side (`bench kernel --prefill-schedules`) and CI
@@ -180,6 +181,9 @@ PREFILL_V3_SCHEDULES: dict[str, PrefillV3Schedule] = {
     "persistent": PrefillV3Schedule(persistent=True),
     "persistent rcp": PrefillV3Schedule(persistent=True, rcp_epilogue=True),
     "persistent rcp bt": PrefillV3Schedule(persistent=True, rcp_epilogue=True, bt_shfl=True),
+    # unmeasured (the launcher never picks them): the launcher's two choices with FA3's overlap
+    "rcp bt overlap": PrefillV3Schedule(rcp_epilogue=True, bt_shfl=True, overlap=True),
+    "persistent rcp overlap": PrefillV3Schedule(persistent=True, rcp_epilogue=True, overlap=True),
 }
 
 
@@ -197,11 +201,15 @@ def prefill_config(dtype: str, head_dim: int, block_size: int, version: int = 1,
         if ELEM_SIZE[dtype] != 2 or head_dim not in PREFILL_V3_HEAD_DIMS:
             raise ValueError(f"prefill v3 takes float16/bfloat16 with head_dim in {PREFILL_V3_HEAD_DIMS}, got "
                              f"{dtype} with head_dim {head_dim}")
+        stages = stages or prefill_v3_stages(head_dim)
+        if schedule.overlap and stages < 3:  # a consumer holds tiles t - 1 and t while it waits for t + 1
+            raise ValueError(f"prefill v3's overlap schedule needs 3 or more KV stages, got {stages}")
         # The persistent producer's item loop spills under 40 registers: 56 + 2 x 224 (setmaxnreg's budget).
         knobs = (("V3_PERSISTENT", int(schedule.persistent)), ("V3_RCP_EPILOGUE", int(schedule.rcp_epilogue)),
-                 ("V3_BT_SHFL", int(schedule.bt_shfl)), ("V3_PRODUCER_REGS", 56 if schedule.persistent else 40))
+                 ("V3_BT_SHFL", int(schedule.bt_shfl)), ("V3_OVERLAP", int(schedule.overlap)),
+                 ("V3_PRODUCER_REGS", 56 if schedule.persistent else 40))
         return KernelConfig("paged_prefill_hopper.cu",
-                            (*defines, ("KV_STAGES", stages or prefill_v3_stages(head_dim)), *knobs), PREFILL_V3_ARCH)
+                            (*defines, ("KV_STAGES", stages), *knobs), PREFILL_V3_ARCH)
     if not mma_supported(ELEM_SIZE[dtype], head_dim):
         raise ValueError(f"the tensor-core prefill kernel (v2) takes float16/bfloat16 with head_dim in "
                          f"{MMA_HEAD_DIMS}, got {dtype} with head_dim {head_dim}")
