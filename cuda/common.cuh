@@ -101,6 +101,9 @@ __device__ __forceinline__ float exp2_approx(float x) {  // 2^x; 2^-inf = +0
 // mma.m16n8k16's accumulator layout (o[4 n + e]: row row_lo + 8 (e / 2), dim 8 n + 2 tig + e % 2).
 // Each lane added its own keys; add the exp-sums over the row's 4 lanes, then write the rows' HEAD_DIM
 // dims, divided by them (rows past the chunk are not written; padded dims past HEAD_DIM neither).
+// RCP (prefill v3's V3_RCP_EPILOGUE, as FA3): one division per row, 1 / l, then a product per element;
+// another rounding than O / l, the same for every row.
+template <bool RCP = false>
 __device__ __forceinline__ void write_rows(scalar_t *out, const float *o, float l_lo, float l_hi, int q0, int row_lo,
                                            int qlen, long long q_row_stride, int h, int tig) {
 #pragma unroll
@@ -108,14 +111,17 @@ __device__ __forceinline__ void write_rows(scalar_t *out, const float *o, float 
     l_lo += __shfl_xor_sync(PR_FULL_MASK, l_lo, off);
     l_hi += __shfl_xor_sync(PR_FULL_MASK, l_hi, off);
   }
+  const float inv_lo = RCP ? 1.f / l_lo : 0.f, inv_hi = RCP ? 1.f / l_hi : 0.f;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = row_lo + 8 * half;
     if (row >= qlen) continue;
-    const float l = half ? l_hi : l_lo;
+    const float l = half ? l_hi : l_lo, inv = half ? inv_hi : inv_lo;
     unsigned *dst = reinterpret_cast<unsigned *>(out + (long long)(q0 + row) * q_row_stride + h * HEAD_DIM + 2 * tig);
 #pragma unroll
-    for (int n = 0; n < HEAD_DIM / 8; ++n) dst[4 * n] = pack2(o[4 * n + 2 * half] / l, o[4 * n + 2 * half + 1] / l);
+    for (int n = 0; n < HEAD_DIM / 8; ++n)
+      dst[4 * n] = RCP ? pack2(o[4 * n + 2 * half] * inv, o[4 * n + 2 * half + 1] * inv)
+                       : pack2(o[4 * n + 2 * half] / l, o[4 * n + 2 * half + 1] / l);
   }
 }
 #endif

@@ -101,7 +101,7 @@ static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "prefill v3 takes HEAD_DIM 64 o
 #define V3_PERSISTENT 0  // 1: a persistent grid of at most one CTA per SM walks the work items (kernel)
 #endif
 #ifndef V3_RCP_EPILOGUE
-#define V3_RCP_EPILOGUE 0  // 1: O / l as O * (1 / l), one division per row (write_rows_v3)
+#define V3_RCP_EPILOGUE 0  // 1: O / l as O * (1 / l), one division per row (common.cuh's write_rows)
 #endif
 #ifndef V3_BT_SHFL
 #define V3_BT_SHFL 0  // 1: one block-table load per lane and tile, shared by shuffles (produce)
@@ -281,33 +281,6 @@ __device__ __forceinline__ bool item_of_round(int k, int num_seqs, int num_heads
 __device__ __forceinline__ void release(unsigned bar, int lane) {
   __syncwarp();
   if (lane == 0) mbar_arrive(bar);
-}
-
-// The end of a consumer's rows: this lane's two rows, row_lo and row_lo + 8, in wgmma's accumulator
-// layout (o[4 n + e]: row row_lo + 8 (e / 2), dim 8 n + 2 tig + e % 2). The exp-sums added over the
-// row's 4 lanes; V3_RCP_EPILOGUE 1: one division per row, 1 / l, and a product per element (as FA3),
-// 0: each element divided by l (common.cuh's write_rows). Rows past the chunk are not written.
-__device__ __forceinline__ void write_rows_v3(scalar_t *out, const float (&o)[HEAD_DIM / 2], float l_lo, float l_hi,
-                                              int q0, int row_lo, int qlen, long long q_row_stride, int h, int tig) {
-#if V3_RCP_EPILOGUE
-#pragma unroll
-  for (int off = 1; off < 4; off *= 2) {
-    l_lo += __shfl_xor_sync(PR_FULL_MASK, l_lo, off);
-    l_hi += __shfl_xor_sync(PR_FULL_MASK, l_hi, off);
-  }
-  const float inv_lo = 1.f / l_lo, inv_hi = 1.f / l_hi;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = row_lo + 8 * half;
-    if (row >= qlen) continue;
-    const float inv = half ? inv_hi : inv_lo;
-    unsigned *dst = reinterpret_cast<unsigned *>(out + (long long)(q0 + row) * q_row_stride + h * HEAD_DIM + 2 * tig);
-#pragma unroll
-    for (int n = 0; n < HEAD_DIM / 8; ++n) dst[4 * n] = pack2(o[4 * n + 2 * half] * inv, o[4 * n + 2 * half + 1] * inv);
-  }
-#else
-  write_rows(out, o, l_lo, l_hi, q0, row_lo, qlen, q_row_stride, h, tig);
-#endif
 }
 
 // S = Q K^T over HEAD_DIM / 16 k-steps of 32 bytes (4 per 128-byte column block); one commit group.
@@ -525,7 +498,7 @@ __device__ __forceinline__ void consume(scalar_t *__restrict__ out, int q0, int 
   }
 #endif
   if (!active) return;
-  write_rows_v3(out, o, l_lo, l_hi, q0, wrow0 + grp, qlen, q_row_stride, h, tig);
+  write_rows<V3_RCP_EPILOGUE>(out, o, l_lo, l_hi, q0, wrow0 + grp, qlen, q_row_stride, h, tig);
 }
 
 // The producer warpgroup on one work item: the item's query rows (zeros past the chunk) with its tile 0,
