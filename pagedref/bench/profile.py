@@ -68,7 +68,6 @@ class ProfileResult:
     gpu_idle_ms: float | None = None  # per step, mean: wall time the GPU had no step to run (None: CPU)
     top_kernels: list[tuple[str, str, float]] | None = None  # [(class, kernel name, ms per step)], the longest first
 
-
     def bandwidth(self, what: str) -> float | None:
         """Bytes per second the step's matmuls (what="gemm", the weights) or attention kernels
         (what="attention", the K/V) achieved."""

@@ -120,7 +120,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 _MERGE_COUNTERS: dict[int, torch.Tensor] = {}  # device index -> int32 counters, zeros between launches
-_RETIRED_COUNTERS: list[torch.Tensor] = []  # outgrown buffers: graphs captured with them still replay them
+_RETIRED_COUNTERS: list[torch.Tensor] = []  # outgrown buffers and those made in a capture: graphs may replay them
 
 
 def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -128,13 +128,16 @@ def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
 
     The kernel puts each counter it used back to zero, so one buffer per device serves every launch and
     every graph replay, provided no two of them run at once (one stream: the engine's; a graph replays on
-    it too). A buffer grows outside graph capture and is never freed (a captured graph may hold it);
-    a capture that needs more captures its own zeroed buffer."""
+    it too). A buffer grows outside graph capture; a capture that needs more captures its own zeroed
+    buffer. None is ever freed: a captured graph may replay it, and a buffer freed during a capture could
+    be handed to a later allocation of the same capture."""
     buf = _MERGE_COUNTERS.get(device.index)
     if buf is not None and buf.numel() >= n:
         return buf
     new = torch.zeros(max(n, 1024, 2 * (buf.numel() if buf is not None else 0)), dtype=torch.int32, device=device)
-    if not torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_current_stream_capturing():
+        _RETIRED_COUNTERS.append(new)
+    else:
         if buf is not None:
             _RETIRED_COUNTERS.append(buf)
         _MERGE_COUNTERS[device.index] = new
