@@ -64,31 +64,20 @@
 // noise there). Tried before and not kept (commits fb77e6b and 99c42e8, in the history): FA3's
 // intra-warpgroup overlap of softmax with P V and ping-pong between the consumers (at most 2% on top of
 // a persistent grid, or up to 8% lost). What is left is named in the stage 5 lesson.
-// V3_OVERLAP (unmeasured; the launcher never takes it: PREFILL_V3_SCHEDULES' "rcp bt overlap" and
-// "persistent rcp overlap"): FA3's intra-warpgroup overlap (its paper's section 3.2; IntraWGOverlap in
-// its hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp) on this loop. Why: the long shapes are main-loop bound
-// (1 x 8192: 88% of FlashInfer), and without it a consumer's tensor-core work stops for each tile's
-// softmax (only the other consumer's mmas fill the gap). What: per key tile t, a consumer issues S_t =
-// Q K_t^T and then O += P_{t-1} V_{t-1}, waits for S_t alone (wgmma.wait_group 1), masks and runs
-// tile t's softmax while P_{t-1} V_{t-1} runs, then waits for it, releases stage t - 1, scales O by
-// corr_t and packs P_t; the last P V follows the loop (consume()). Costs: P_{t-1} (TK / 16 x 4 packed
-// registers = 32) stays live beside S_t (64) and O (HEAD_DIM / 2): the consumers' highest register is
-// R194 (plain grid) / R210 (persistent) of their 232 / 224 at HEAD_DIM 128, R155 / R167 at 64, no spill; stage
-// t - 1 is released a softmax later, so a consumer holds two stages while it waits for a third
-// (KV_STAGES >= 3). Bits: a row gets the same operations in the same order (O * corr_t, then + P_t V_t,
-// tile after tile; one softmax_tile for both), so the same bits as without it. ptxas: it schedules within
-// a basic block and puts a wgmma wait as early in its block as it may, so with the softmax and the wait
-// for P V in one block the wait lands before the exps and nothing overlaps. That is what 99c42e8's
-// "overlap 2" compiles to with CUDA 13.0's ptxas (its two waits back to back, ahead of the softmax): what
-// it measured was likely no overlap at all. Here the next tile's "full" wait, a spin loop, ends the
-// softmax's block (cuobjdump -sass: WARPGROUP.DEPBAR.LE gsb0, 0x1, the softmax's MUFU.EX2s, then
-// DEPBAR.LE gsb0, 0x0; test_kernels_prefill_v3.py checks it where cuobjdump is installed).
+// FA3's intra-warpgroup overlap, tried again as a knob (e7ae4f0, V3_OVERLAP: a consumer issued S_t, then
+// P_{t-1} V_{t-1}, and ran tile t's softmax while that P V ran; the SASS showed the softmax between the two
+// waits) and measured on an H200 (2026-12-01 19:10 UTC, same settings): 399 / 1245 / 568 / 180 us for
+// "rcp bt overlap" against 355 / 1091 / 481 / 172 without it, 387 / 1347 / 595 / 151 for "persistent rcp
+// overlap" against 339 / 1154 / 493 / 143: 5-17% slower everywhere, so it is gone again. A likely reason:
+// the two consumers already interleave softmax and mmas on the SM, while the overlap holds a second
+// stage a softmax longer (KV_STAGES 3 at HEAD_DIM 128 leaves the producer one tile ahead, not two) and
+// keeps 32 more registers live.
 //
 // Launch: grid (num_seqs, num_heads, ceil(max_query_len / TQ)), or (min(work items, SMs)) persistent;
 // block 384 threads, dynamic shared memory prefill_v3_shared_bytes (build.py): TQ + 2 * KV_STAGES * TK
 // rows of HEAD_DIM * 2 bytes, 1 KB of alignment slack and the mbarriers.
 // Compile-time parameters (-D): PR_DTYPE (1 or 2), HEAD_DIM (64 or 128), BLOCK_SIZE, KV_STAGES,
-// V3_PERSISTENT, V3_RCP_EPILOGUE, V3_BT_SHFL, V3_OVERLAP, V3_PRODUCER_REGS.
+// V3_PERSISTENT, V3_RCP_EPILOGUE, V3_BT_SHFL, V3_PRODUCER_REGS.
 #define PREFILL_WGMMA 1
 #include "common.cuh"
 
@@ -106,11 +95,7 @@ static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "prefill v3 takes HEAD_DIM 64 o
 #ifndef V3_BT_SHFL
 #define V3_BT_SHFL 0  // 1: one block-table load per lane and tile, shared by shuffles (produce)
 #endif
-#ifndef V3_OVERLAP
-#define V3_OVERLAP 0  // 1: FA3's intra-warpgroup overlap: a tile's softmax under the previous tile's P V (consume)
-#endif
 static_assert(KV_STAGES >= 2 && KV_STAGES <= 4, "KV_STAGES from 2 to 4");
-static_assert(!V3_OVERLAP || KV_STAGES >= 3, "V3_OVERLAP holds two stages while it waits for a third");
 
 constexpr int WG = 128;                  // threads per warpgroup
 constexpr int V3_THREADS = 3 * WG;       // producer + 2 consumers (build.PREFILL_V3_THREADS)
@@ -373,13 +358,14 @@ __device__ __forceinline__ void pack_p(unsigned (&pf)[TK / 16][4], const float (
 // rows 16 w .. 16 w + 15, this lane rows grp and grp + 8 (the accumulator layout of wgmma,
 // mma.m16n8k16's per warp: element 4 j + e of S or O is row grp + 8 (e / 2), column 8 j + 2 tig + e % 2).
 // g: the CTA's key tiles before this item (0 on the plain grid), so tile t is the ring's tile g + t.
-// On a persistent grid the consumer's warps arrive on q_empty once Q is read for the last time.
+// On a persistent grid the consumer's warps arrive on q_empty once Q is read for the last time, and never
+// before tile 0's "full" wait: the producer loads this item's Q only after the previous item's q_empty
+// phase completed, and tile 0's barrier counts Q's copies, so an arrival after that wait counts toward
+// this item's phase. (An idle consumer once arrived at the item's start: running ahead by a whole item
+// while the other consumer still read the previous Q, its arrival completed the previous phase early and
+// the producer overwrote a Q still in use. The GPU test of the schedules caught it at HEAD_DIM 64.)
 // Its key tiles 0 .. last hold keys its rows see (the tiles after: an exact no-op, only released).
-// Per tile t, V3_OVERLAP 0: S_t = Q K_t^T, wait; softmax; O = O * corr_t; O += P_t V_t, wait; release
-// the stage. V3_OVERLAP 1 (FA3's intra-warpgroup overlap): issue S_t, then O += P_{t-1} V_{t-1}; wait
-// for S_t alone and run its softmax while P_{t-1} V_{t-1} runs; wait for it, release stage t - 1,
-// O = O * corr_t, pack P_t; after the last tile, O += P_last V_last. Per row both are the same
-// sequence of the same operations (O * corr_t, then + P_t V_t, tile after tile): the same bits.
+// Per tile t: S_t = Q K_t^T, wait; softmax; O = O * corr_t; O += P_t V_t, wait; release the stage.
 __device__ __forceinline__ void consume(scalar_t *__restrict__ out, int q0, int qlen, int row0, int first_pos, int h,
                                         long long q_row_stride, unsigned q_s, unsigned kv_s, unsigned full,
                                         unsigned empty, unsigned q_empty, int num_tiles, int g, float scale,
@@ -393,83 +379,17 @@ __device__ __forceinline__ void consume(scalar_t *__restrict__ out, int q0, int 
   const int pos_lo = first_pos + min(wrow0 + grp, qlen - 1), pos_hi = first_pos + min(wrow0 + grp + 8, qlen - 1);
   const float scale_log2 = scale * LOG2E;
   const unsigned q_wg = q_s + cw * 64 * 128;  // this consumer's rows in Q's first column block
-  if (V3_PERSISTENT && !active) release(q_empty, lane);  // Q not read at all
 
   float o[HEAD_DIM / 2];
 #pragma unroll
   for (int i = 0; i < HEAD_DIM / 2; ++i) o[i] = 0.f;
-  // Running max (raw score units) and exp-sums; declared in this order, the schedules without V3_OVERLAP
-  // compile to the very instructions they did before softmax_tile took them by reference.
+  // Running max (raw score units) and exp-sums.
   float l_hi = 0.f, l_lo = 0.f, m_hi = neg_inf(), m_lo = neg_inf();
 
-#if V3_OVERLAP
-  // Uniform as ptxas sees it (a shuffle from lane 0; qlen and the positions come from memory): wgmmas
-  // in flight across branches it thought divergent would be serialised (its C7520).
-  const int last = __shfl_sync(PR_FULL_MASK, active ? wg_last / TK : -1, 0);
-  // Tile t's stage holds its K and V once its "full" barrier completed this phase.
-  auto wait_full = [&](int t) { mbar_wait(full + 8 * ((g + t) % KV_STAGES), ((g + t) / KV_STAGES) & 1); };
-  if (last >= 0) {
-    unsigned pf[TK / 16][4];  // P of the latest tile, packed: the A operand of its O += P V, issued a tile later
-    // Tile 0 alone (no P V before it), so that no wgmma of the loop sits in a branch: with P V under an
-    // `if (t > 0)`, copies of O at the join fell between that wgmma and its wait, and ptxas serialised
-    // every wgmma (its C7514).
-    {
-      wait_full(0);
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async wrote it (see the loop)
-      float sc[TK / 2];
-      wgmma_fence();
-      issue_s(sc, q_wg, kv_s + g % KV_STAGES * STAGE_BYTES);
-      wgmma_wait_all();
-      fence_regs(sc);
-      if (V3_PERSISTENT && last == 0) release(q_empty, lane);
-      float corr_lo, corr_hi;
-      softmax_tile(sc, 0, TK - 1 > wg_first, pos_lo, pos_hi, tig, scale_log2, m_lo, m_hi, l_lo, l_hi, corr_lo,
-                   corr_hi);
-      rescale_o(o, corr_lo, corr_hi);
-      pack_p(pf, sc);
-      if (last > 0) wait_full(1);
-    }
-    for (int t = 1; t <= last; ++t) {  // tile t's stage is full (waited for a step before)
-      const int stage = (g + t) % KV_STAGES, prev = (g + t - 1) % KV_STAGES;
-      // The stage was written by cp.async (the generic proxy); the tensor cores read it through the async proxy.
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      float sc[TK / 2];
-      wgmma_fence();
-      issue_s(sc, q_wg, kv_s + stage * STAGE_BYTES);
-      issue_pv(o, pf, kv_s + prev * STAGE_BYTES + TILE_BYTES);  // tile t - 1's, behind S_t
-      wgmma_wait_but_one();  // S_t is done; P_{t-1} V_{t-1} may still run (it reads pf and accumulates into o)
-      fence_regs(sc);
-      // The last tile of this consumer's rows: Q is read, the producer may load the next item's over it.
-      if (V3_PERSISTENT && t == last) release(q_empty, lane);
-      float corr_lo, corr_hi;
-      softmax_tile(sc, t * TK, t * TK + TK - 1 > wg_first, pos_lo, pos_hi, tig, scale_log2, m_lo, m_hi, l_lo, l_hi,
-                   corr_lo, corr_hi);
-      // The next tile's stage, waited for here, between the softmax and P V's wait: ptxas schedules within
-      // a basic block and moves a wgmma wait as early in it as it may, so in the softmax's block the wait
-      // would come before the exps and nothing would overlap; the barrier's spin loop ends that block.
-      // (This consumer holds stages t - 1 and t meanwhile: V3_OVERLAP needs a third, KV_STAGES >= 3.)
-      if (t < last) wait_full(t + 1);
-      wgmma_wait_all();
-      fence_regs(o);
-      release(empty + 8 * prev, lane);  // this warp's mmas no longer read stage t - 1
-      rescale_o(o, corr_lo, corr_hi);
-      pack_p(pf, sc);
-    }
-    const int stage = (g + last) % KV_STAGES;
-    wgmma_fence();
-    issue_pv(o, pf, kv_s + stage * STAGE_BYTES + TILE_BYTES);
-    wgmma_wait_all();
-    fence_regs(o);
-    release(empty + 8 * stage, lane);
-  }
-  for (int t = last + 1; t < num_tiles; ++t) {  // every key of these tiles follows every row: only released
-    wait_full(t);  // (after the producer filled it: else this arrival would count toward the stage's last use)
-    release(empty + 8 * ((g + t) % KV_STAGES), lane);
-  }
-#else
   for (int t = 0; t < num_tiles; ++t) {
     const int stage = (g + t) % KV_STAGES;
     mbar_wait(full + 8 * stage, ((g + t) / KV_STAGES) & 1);
+    if (V3_PERSISTENT && !active && t == 0) release(q_empty, lane);  // no rows: Q not read at all
     if (active && t * TK <= wg_last) {  // else every key of the tile follows every row: an exact no-op
       // The stage was written by cp.async (the generic proxy); the tensor cores read it through the async proxy.
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -496,7 +416,6 @@ __device__ __forceinline__ void consume(scalar_t *__restrict__ out, int q0, int 
     __syncwarp();
     if (lane == 0) mbar_arrive(empty + 8 * stage);  // this warp's mmas no longer read the stage
   }
-#endif
   if (!active) return;
   write_rows<V3_RCP_EPILOGUE>(out, o, l_lo, l_hi, q0, wrow0 + grp, qlen, q_row_stride, h, tig);
 }

@@ -161,19 +161,18 @@ def prefill_v3_shared_bytes(head_dim: int, stages: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class PrefillV3Schedule:
-    """Prefill v3's compile-time knobs (cuda/paged_prefill_hopper.cu's header). persistent, bt_shfl and
-    overlap change the order of work only, never a row's arithmetic; rcp_epilogue changes the epilogue's
+    """Prefill v3's compile-time knobs (cuda/paged_prefill_hopper.cu's header). persistent and bt_shfl
+    change the order of work only, never a row's arithmetic; rcp_epilogue changes the epilogue's
     arithmetic (O * (1 / l) instead of O / l), the same for every row, so two schedules with the same
     rcp_epilogue give the same bits."""
 
     persistent: bool = False  # at most one CTA per SM walks the work items (snake order)
     rcp_epilogue: bool = False  # one division per row, then products
     bt_shfl: bool = False  # the producer loads a tile's block-table entries once per lane and shuffles them
-    overlap: bool = False  # FA3's intra-warpgroup overlap: a tile's softmax runs under the previous tile's P V
 
 
 # Prefill v3's schedules the benchmark times side by side (`bench kernel --prefill-schedules`) and CI
-# compiles at bfloat16 / 128 / 16.
+# compiles at bfloat16 / 16 (each head dim).
 PREFILL_V3_SCHEDULES: dict[str, PrefillV3Schedule] = {
     "plain": PrefillV3Schedule(),
     "rcp": PrefillV3Schedule(rcp_epilogue=True),
@@ -181,9 +180,6 @@ PREFILL_V3_SCHEDULES: dict[str, PrefillV3Schedule] = {
     "persistent": PrefillV3Schedule(persistent=True),
     "persistent rcp": PrefillV3Schedule(persistent=True, rcp_epilogue=True),
     "persistent rcp bt": PrefillV3Schedule(persistent=True, rcp_epilogue=True, bt_shfl=True),
-    # unmeasured (the launcher never picks them): the launcher's two choices with FA3's overlap
-    "rcp bt overlap": PrefillV3Schedule(rcp_epilogue=True, bt_shfl=True, overlap=True),
-    "persistent rcp overlap": PrefillV3Schedule(persistent=True, rcp_epilogue=True, overlap=True),
 }
 
 
@@ -202,11 +198,9 @@ def prefill_config(dtype: str, head_dim: int, block_size: int, version: int = 1,
             raise ValueError(f"prefill v3 takes float16/bfloat16 with head_dim in {PREFILL_V3_HEAD_DIMS}, got "
                              f"{dtype} with head_dim {head_dim}")
         stages = stages or prefill_v3_stages(head_dim)
-        if schedule.overlap and stages < 3:  # a consumer holds tiles t - 1 and t while it waits for t + 1
-            raise ValueError(f"prefill v3's overlap schedule needs 3 or more KV stages, got {stages}")
         # The persistent producer's item loop spills under 40 registers: 56 + 2 x 224 (setmaxnreg's budget).
         knobs = (("V3_PERSISTENT", int(schedule.persistent)), ("V3_RCP_EPILOGUE", int(schedule.rcp_epilogue)),
-                 ("V3_BT_SHFL", int(schedule.bt_shfl)), ("V3_OVERLAP", int(schedule.overlap)),
+                 ("V3_BT_SHFL", int(schedule.bt_shfl)),
                  ("V3_PRODUCER_REGS", 56 if schedule.persistent else 40))
         return KernelConfig("paged_prefill_hopper.cu",
                             (*defines, ("KV_STAGES", stages), *knobs), PREFILL_V3_ARCH)
@@ -230,12 +224,15 @@ def ci_configs() -> list[KernelConfig]:
                 for head_dim in MMA_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES]
     configs += [prefill_config(dtype, head_dim, block_size, version=2) for dtype in ("float16", "bfloat16")
                 for head_dim in MMA_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES]
-    configs += [prefill_config(dtype, head_dim, block_size, version=3) for dtype in ("float16", "bfloat16")
-                for head_dim in PREFILL_V3_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES]
+    # v3: the plain grid and the launcher's two schedules (launch.prefill_v3_schedule), every shape.
+    v3_schedules = (PrefillV3Schedule(), PREFILL_V3_SCHEDULES["persistent rcp"], PREFILL_V3_SCHEDULES["rcp bt"])
+    configs += [prefill_config(dtype, head_dim, block_size, version=3, schedule=s) for dtype in ("float16", "bfloat16")
+                for head_dim in PREFILL_V3_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES for s in v3_schedules]
     configs += [decode_config("bfloat16", 128, 16, g, t) for g in (1, 2, 3, 5, 6, 7, 8)
                 for t in (DecodeTuning(), MmaTuning())]
     configs += [decode_config(dtype, 128, 16, 4, t) for dtype in ("float16", "bfloat16") for t in CANDIDATES.values()]
-    configs += [prefill_config("bfloat16", 128, 16, 3, schedule=s) for s in PREFILL_V3_SCHEDULES.values()]
+    configs += [prefill_config("bfloat16", head_dim, 16, 3, schedule=s) for head_dim in PREFILL_V3_HEAD_DIMS
+                for s in PREFILL_V3_SCHEDULES.values()]
     configs += [KernelConfig("fused_ops.cu", (("PR_DTYPE", code),)) for code in DTYPE_CODES.values()]  # kernels.fused
     return list(dict.fromkeys(configs))  # each once, in order
 
