@@ -241,6 +241,22 @@ def test_test_helpers_keep_each_sequence_readable_through_its_block_table(p):
     assert np.array_equal(T.oracle(sub), np.concatenate([ref[4:14], ref[0:3]]))
 
 
+def test_the_kernel_tests_oracle_is_standard_attention_vectorised():
+    # testing.oracle computes each sequence's rows a few hundred at a time (a GPU test's 8k rows in a
+    # second); the row-by-row oracle of pagedref.attention gives the same float64 values to a few ulps,
+    # with GQA, a chunk after a cached prefix, decode rows, and more rows than one step takes.
+    from pagedref.attention import attention
+
+    prob = T.make_problem([1, 700, 1300, 9], [1, 200, 1300, 9], num_heads=6, num_kv_heads=2, head_dim=32,
+                          dtype=torch.bfloat16, device="cpu", seed=5)
+    got, q64 = T.oracle(prob), prob.q.double().numpy()
+    for s, (k, v) in enumerate(zip(prob.k_seq, prob.v_seq)):
+        rows = T.seq_rows(prob, s)
+        want = attention(q64[rows], k, v, prob.scale, q_start=k.shape[0] - (rows.stop - rows.start))
+        np.testing.assert_allclose(got[rows], want, rtol=1e-12, atol=1e-14)
+    assert not np.isnan(got).any()
+
+
 def test_bench_dispatch():
     from pagedref.bench.__main__ import main
 
