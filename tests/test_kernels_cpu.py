@@ -278,6 +278,13 @@ def test_bench_kernel_peers_argument(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         kernel.main(["--candidates", "v9"])
     assert exit_info.value.code == 2 and "unknown candidate(s) ['v9']" in capsys.readouterr().err
+    assert kernel.decode_shape("8x4096") == (8, 4096) and kernel.decode_shape("1X131072") == (1, 131072)
+    bad_shapes = {"8": "SEQUENCESxCONTEXT", "8x": "SEQUENCESxCONTEXT", "8x4096x2": "SEQUENCESxCONTEXT",
+                  "eightx4096": "SEQUENCESxCONTEXT", "0x4096": "needs >= 1 sequence", "8x0": "needs >= 1 sequence"}
+    for bad, why in bad_shapes.items():
+        with pytest.raises(SystemExit) as exit_info:
+            kernel.main(["--decode-shapes", bad])
+        assert exit_info.value.code == 2 and why in capsys.readouterr().err, bad
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # `import flashinfer` raises ImportError
     assert kernel.load_peers(["flashinfer"]) == {}
     assert "note: peer flashinfer is not importable (ModuleNotFoundError" in capsys.readouterr().err

@@ -35,6 +35,17 @@ import warnings
 import torch
 
 DECODE_SHAPES = ((64, 4096), (256, 1024), (8, 32768), (32, 512), (256, 512), (1, 131072))  # (batch, context)
+
+
+def decode_shape(text: str) -> tuple[int, int]:
+    """'8x4096' -> (8, 4096): a --decode-shapes entry (sequences x context tokens)."""
+    try:
+        batch, context = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a decode shape is SEQUENCESxCONTEXT, e.g. 8x4096; got {text!r}") from None
+    if batch < 1 or context < 1:
+        raise argparse.ArgumentTypeError(f"a decode shape needs >= 1 sequence and >= 1 token; got {text!r}")
+    return batch, context
 # (batch, query rows, context): whole causal prompts, and a chunk of 2048 rows after 6144 cached tokens
 PREFILL_SHAPES = ((4, 2048, 2048), (1, 8192, 8192), (1, 2048, 8192), (16, 512, 512))
 PREFILL_VERSIONS = (1, 2, 3)  # v1 on CUDA cores, v2 mma.sync (FA2), v3 wgmma on sm_90 (FA3; the default there)
@@ -437,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", action="store_true", help="also time partition sizes, unrolls and v1 at (64, 4096)")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--decode-shapes", nargs="+", type=decode_shape, default=list(DECODE_SHAPES), metavar="BxC",
+                    help="decode shapes to time, sequences x context (default: the six of the tables, "
+                    "64x4096 256x1024 8x32768 32x512 256x512 1x131072)")
     ap.add_argument("--candidates", nargs="+", metavar="NAME", help="time only these decode tunings (and the "
                     "default, always); default: every one of build.CANDIDATES")
     ap.add_argument("--peers", nargs="+", choices=PEERS, default=[], help="also time these libraries' paged "
@@ -473,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     res["copy_GBps"], res["copy_method"] = copy_bandwidth(args.reps)
     res["peers"] = {name: getattr(mod, "__version__", "?") for name, mod in peers.items()}
     res["decode"] = [] if args.no_decode else [bench_decode(b, c, args.reps, args.skip_version, args.candidates, peers)
-                                               for b, c in DECODE_SHAPES]
+                                               for b, c in args.decode_shapes]
     if args.variants:
         res["variants"] = bench_variants(args.reps, args.skip_version)
     if not args.no_prefill:
