@@ -48,7 +48,7 @@
 // current Q for the last time (q_empty), so the next item starts without the load latency a new CTA
 // waits for. Its producer's item loop needs 56 registers (the consumers 224: setmaxnreg's budget).
 // V3_DYNAMIC (with V3_PERSISTENT; unmeasured, the launcher never takes it: "persistent rcp dynamic") hands
-// the items out by an atomic counter instead, longest first, so a CTA whose items were short takes more
+// the items out by an atomic counter instead, the most keys first, so a CTA whose items were short takes more
 // (FA3's dynamic tile scheduler; a simulation of 4 x 2048's items put it ~3% ahead of the snake). The
 // counter is left at zero for the next launch or graph replay (fetch_item).
 // V3_RCP_EPILOGUE divides O by l as O * (1 / l), one division per row instead of 64 per lane.
@@ -288,18 +288,36 @@ __device__ __forceinline__ void release(unsigned bar, int lane) {
 
 #if V3_DYNAMIC
 // Dynamic persistent grid (V3_DYNAMIC): the CTA's k-th work item is the index the k-th atomicAdd on
-// counter[0] returns, in the plain grid's launch order (the most keys first). A CTA whose items were
-// short takes more, which balances better than the static snake: it is FA3's dynamic tile scheduler (a
-// greedy "longest first" schedule). The producer's thread 0 fetches; slot k % 2 of shared memory passes
-// the index to the CTA's 12 warps. item_full[k % 2] (1 arrival) says the slot is written, and
-// item_empty[k % 2] (one arrival per warp) says every warp has read it. An index past the last item
-// comes back as -1, and the CTA leaves. The last CTA to get there puts both counters back to zero, so
-// the next launch, or a graph replay, starts from zero.
+// counter[0] returns (item_of_index_own's numbering: the most keys first). A CTA whose items were short
+// takes more, which balances better than the static snake: it is FA3's dynamic tile scheduler (a greedy
+// "longest first" schedule). The producer's thread 0 fetches, skipping indices with no rows, and slot
+// k % 2 of shared memory passes the index to the CTA's 12 warps. item_full[k % 2] (1 arrival) says the
+// slot is written, and item_empty[k % 2] (one arrival per warp) says every warp has read it. An index
+// past the last item comes back as -1, and the CTA leaves. The last CTA to get there puts both counters
+// back to zero, so the next launch, or a graph replay, starts from zero.
+// Item i's numbering: the plain grid's (sequence fastest, then head, then query tile z), but z counts from
+// each sequence's OWN last tile. So the first indices hold every sequence's item with the most keys,
+// whatever the others' query lengths. Counted from the batch's tile count, a short chunk after a long
+// context would come last: the worst place for a longest-first schedule. -> false if z is past its tiles.
+__device__ __forceinline__ bool item_of_index_own(int i, int num_seqs, int num_heads,
+                                                  const int *__restrict__ query_start_loc,
+                                                  const int *__restrict__ context_lens, Item &it) {
+  const int per_tile = num_seqs * num_heads, rem = i % per_tile, s = rem % num_seqs, z = i / per_tile;
+  const int own_tiles = (query_start_loc[s + 1] - query_start_loc[s] + TQ - 1) / TQ;
+  return z < own_tiles && item_at(s, rem / num_seqs, z, own_tiles, query_start_loc, context_lens, it);
+}
+
 __device__ __forceinline__ void fetch_item(int k, unsigned slots, unsigned item_full, unsigned item_empty,
-                                           int *__restrict__ counter, int num_items) {
-  const int s = k & 1;
+                                           int *__restrict__ counter, int num_seqs, int num_heads, int num_q_tiles,
+                                           const int *__restrict__ query_start_loc,
+                                           const int *__restrict__ context_lens) {
+  const int s = k & 1, num_items = num_seqs * num_heads * num_q_tiles;
   if (k >= 2) mbar_wait(item_empty + 8 * s, ((k >> 1) - 1) & 1);  // every warp read fetch k - 2
-  int i = atomicAdd(counter, 1);
+  int i;
+  Item it;
+  do  // indices with no rows are not passed on: a hand-off through 12 warps each would stall the producer
+    i = atomicAdd(counter, 1);
+  while (i < num_items && !item_of_index_own(i, num_seqs, num_heads, query_start_loc, context_lens, it));
   if (i >= num_items) {
     i = -1;
     __threadfence();  // this CTA's last fetch is performed before it counts itself done
@@ -347,7 +365,6 @@ __device__ __forceinline__ void issue_pv(float (&o)[HEAD_DIM / 2], const unsigne
 // causal mask where `masked`, then the online softmax in log2 units, p = 2^(s * scale_log2 - m *
 // scale_log2) (one fma and one ex2); the running max m (raw score units) and this lane's exp-sums l move
 // on, and corr = 2^((m_old - m_new) * scale_log2) is what O must be scaled by before this tile's P V.
-// Both schedules of consume() call this: a row's arithmetic is written once.
 __device__ __forceinline__ void softmax_tile(float (&sc)[TK / 2], int key0, bool masked, int pos_lo, int pos_hi,
                                              int tig, float scale_log2, float &m_lo, float &m_hi, float &l_lo,
                                              float &l_hi, float &corr_lo, float &corr_hi) {
@@ -561,10 +578,12 @@ extern "C" __global__ void __launch_bounds__(V3_THREADS, 1) paged_prefill_v3(
   // it either): from the static snake, or from V3_DYNAMIC's counter.
   auto next_item = [&](int k, Item &it, bool &more) {
 #if V3_DYNAMIC
-    if (tid == 0) fetch_item(k, slots, item_full, item_empty, item_counter, num_seqs * num_heads * num_q_tiles);
+    if (tid == 0)
+      fetch_item(k, slots, item_full, item_empty, item_counter, num_seqs, num_heads, num_q_tiles, query_start_loc,
+                 context_lens);
     const int i = read_item(k, slots, item_full, item_empty, tid % 32);
     more = i >= 0;
-    return more && item_of_index(i, num_seqs, num_heads, num_q_tiles, query_start_loc, context_lens, it);
+    return more && item_of_index_own(i, num_seqs, num_heads, query_start_loc, context_lens, it);
 #else
     return item_of_round(k, num_seqs, num_heads, num_q_tiles, query_start_loc, context_lens, it, more);
 #endif
