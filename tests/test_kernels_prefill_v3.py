@@ -221,7 +221,7 @@ def test_v3_dynamic_schedule_leaves_its_counter_at_zero_and_replays_in_a_graph()
         prefill(p, version=3, schedule=dynamic, out=out, max_query_len=2048, max_context_len=2048, check=False)
     run()
     torch.cuda.synchronize()
-    assert launch._counters(p.q.device, 2)[:2].tolist() == [0, 0]
+    assert launch._counters(p.q.device, 2, "prefill items")[:2].tolist() == [0, 0]
     assert T.same_bits(out, prefill(p, version=3, schedule=build.PREFILL_V3_SCHEDULES["rcp bt"]))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -235,4 +235,4 @@ def test_v3_dynamic_schedule_leaves_its_counter_at_zero_and_replays_in_a_graph()
         graph.replay()
         assert T.same_bits(out, prefill(p, version=3, schedule=build.PREFILL_V3_SCHEDULES["rcp bt"])), seed
     torch.cuda.synchronize()
-    assert launch._counters(p.q.device, 2)[:2].tolist() == [0, 0]
+    assert launch._counters(p.q.device, 2, "prefill items")[:2].tolist() == [0, 0]

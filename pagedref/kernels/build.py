@@ -203,7 +203,8 @@ def prefill_config(dtype: str, head_dim: int, block_size: int, version: int = 1,
                              f"{dtype} with head_dim {head_dim}")
         stages = stages or prefill_v3_stages(head_dim)
         if schedule.dynamic and not schedule.persistent:
-            raise ValueError("prefill v3's dynamic schedule hands out the persistent grid's items: it needs persistent=True")
+            raise ValueError("prefill v3's dynamic schedule hands out the persistent grid's items: "
+                             "it needs persistent=True")
         # The persistent producer's item loop spills under 40 registers: 56 + 2 x 224 (setmaxnreg's budget).
         knobs = (("V3_PERSISTENT", int(schedule.persistent)), ("V3_RCP_EPILOGUE", int(schedule.rcp_epilogue)),
                  ("V3_BT_SHFL", int(schedule.bt_shfl)), *((("V3_DYNAMIC", 1),) if schedule.dynamic else ()),

@@ -107,8 +107,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     merge_in_kernel = version == 3 and tuning.merge_in_kernel and max_parts > 1
     counters = ()  # v3 takes its merge counters last (null when the reduce kernel merges)
     if version == 3:
-        counters = (_ptr(_counters(q.device, shape.num_seqs * (shape.num_heads // hpc))) if merge_in_kernel
-                    else np.uint64(0),)
+        num_groups = shape.num_seqs * (shape.num_heads // hpc)
+        counters = (_ptr(_counters(q.device, num_groups, "decode merge")) if merge_in_kernel else np.uint64(0),)
     _launch(config, f"paged_attention_v{version}", q.device, (shape.num_heads // hpc, max_parts, shape.num_seqs),
             (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(q), *common,
              np.int32(max_parts), np.float32(scale), *counters))
@@ -119,20 +119,20 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-_COUNTERS: dict[int, torch.Tensor] = {}  # device index -> int32 counters, zeros between launches
+_COUNTERS: dict[tuple[int, str], torch.Tensor] = {}  # (device index, user) -> int32 counters, zeros between launches
 _RETIRED_COUNTERS: list[torch.Tensor] = []  # outgrown buffers and those made in a capture: graphs may replay them
 
 
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least n int32 counters, zero: for decode v3's in-kernel merge (one per (sequence, head group))
-    and prefill v3's dynamic schedule (its first two).
+def _counters(device: torch.device, n: int, user: str) -> torch.Tensor:
+    """At least n int32 counters, zero, of one user: "decode merge" (decode v3's in-kernel merge, one per
+    (sequence, head group)) or "prefill items" (prefill v3's dynamic schedule: next item, CTAs done).
 
-    Each kernel puts every counter it used back to zero, so one buffer per device serves every launch and
+    The kernel puts every counter it used back to zero, so one buffer per device and user serves every launch and
     every graph replay, provided no two of them run at once (one stream: the engine's; a graph replays on
     it too). A buffer grows outside graph capture; a capture that needs more captures its own zeroed
     buffer. None is ever freed: a captured graph may replay it, and a buffer freed during a capture could
     be handed to a later allocation of the same capture."""
-    buf = _COUNTERS.get(device.index)
+    buf = _COUNTERS.get((device.index, user))
     if buf is not None and buf.numel() >= n:
         return buf
     new = torch.zeros(max(n, 1024, 2 * (buf.numel() if buf is not None else 0)), dtype=torch.int32, device=device)
@@ -141,7 +141,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     else:
         if buf is not None:
             _RETIRED_COUNTERS.append(buf)
-        _COUNTERS[device.index] = new
+        _COUNTERS[device.index, user] = new
     return new
 
 
@@ -214,7 +214,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         if schedule.persistent:
             grid = (min(shape.num_seqs * shape.num_heads * q_tiles, _num_sms(q.device)), 1, 1)
         if schedule.dynamic:  # its item counter and count of CTAs done, which the kernel leaves at zero
-            extra += (_ptr(_counters(q.device, 2)),)
+            extra += (_ptr(_counters(q.device, 2, "prefill items")),)
     config = build.prefill_config(_dtype_name(q), shape.head_dim, shape.block_size, version,
                                   schedule=schedule or build.PrefillV3Schedule())
     _launch(config, name, q.device, grid,
