@@ -48,9 +48,9 @@
 // current Q for the last time (q_empty), so the next item starts without the load latency a new CTA
 // waits for. Its producer's item loop needs 56 registers (the consumers 224: setmaxnreg's budget).
 // V3_DYNAMIC (with V3_PERSISTENT; unmeasured, the launcher never takes it: "persistent rcp dynamic") hands
-// the items out by an atomic counter instead, the most keys first, so a CTA whose items were short takes more
-// (FA3's dynamic tile scheduler; a simulation of 4 x 2048's items put it ~3% ahead of the snake). The
-// counter is left at zero for the next launch or graph replay (fetch_item).
+// the items out by an atomic counter instead, each sequence's most-keyed items first, so a CTA whose
+// items were short takes more (FA3's dynamic tile scheduler; a simulation of 4 x 2048's items put it ~3%
+// ahead of the snake). The counter is left at zero for the next launch or graph replay (fetch_item).
 // V3_RCP_EPILOGUE divides O by l as O * (1 / l), one division per row instead of 64 per lane.
 // V3_BT_SHFL: the producer's lane j loads the tile's j-th block-table entry once per tile (before the
 // "empty" wait) and each pass takes its rows' entry by a shuffle, instead of one dependent load per pass.
@@ -288,9 +288,9 @@ __device__ __forceinline__ void release(unsigned bar, int lane) {
 
 #if V3_DYNAMIC
 // Dynamic persistent grid (V3_DYNAMIC): the CTA's k-th work item is the index the k-th atomicAdd on
-// counter[0] returns (item_of_index_own's numbering: the most keys first). A CTA whose items were short
-// takes more, which balances better than the static snake: it is FA3's dynamic tile scheduler (a greedy
-// "longest first" schedule). The producer's thread 0 fetches, skipping indices with no rows, and slot
+// counter[0] returns (item_of_index_own's numbering: each sequence's items with the most keys first). A
+// CTA whose items were short takes more, which balances better than the static snake: it is FA3's
+// dynamic tile scheduler (a greedy "longest first" schedule). The producer's thread 0 fetches, skipping indices with no rows, and slot
 // k % 2 of shared memory passes the index to the CTA's 12 warps. item_full[k % 2] (1 arrival) says the
 // slot is written, and item_empty[k % 2] (one arrival per warp) says every warp has read it. An index
 // past the last item comes back as -1, and the CTA leaves. The last CTA to get there puts both counters
