@@ -288,14 +288,13 @@ __device__ __forceinline__ void release(unsigned bar, int lane) {
 
 #if V3_DYNAMIC
 // Dynamic persistent grid (V3_DYNAMIC): the CTA's k-th work item is the index the k-th atomicAdd on
-// counter[0] returns (item_of_index_own's numbering: each sequence's items with the most keys first). A
-// CTA whose items were short takes more, which balances better than the static snake: it is FA3's
-// dynamic tile scheduler (a greedy "longest first" schedule). The producer's thread 0 fetches,
-// skipping indices with no rows, and slot k % 2 of shared memory passes the index to the CTA's 12
-// warps. item_full[k % 2] (1 arrival) says the
-// slot is written, and item_empty[k % 2] (one arrival per warp) says every warp has read it. An index
-// past the last item comes back as -1, and the CTA leaves. The last CTA to get there puts both counters
-// back to zero, so the next launch, or a graph replay, starts from zero.
+// counter[0] returns (item_of_index_own's numbering: each sequence's items with the most keys first). A CTA
+// whose items were short takes more, which balances better than the static snake: it is FA3's dynamic tile
+// scheduler (a greedy "longest first" schedule). The producer's thread 0 fetches, skipping indices with no
+// rows, and slot k % 2 of shared memory passes the index to the CTA's 12 warps. item_full[k % 2] (1
+// arrival) says the slot is written, and item_empty[k % 2] (one arrival per warp) says every warp has read
+// it. An index past the last item comes back as -1, and the CTA leaves. The last CTA to get there puts both
+// counters back to zero, so the next launch, or a graph replay, starts from zero.
 // Item i's numbering: the plain grid's (sequence fastest, then head, then query tile z), but z counts from
 // each sequence's OWN last tile. So the first indices hold every sequence's item with the most keys,
 // whatever the others' query lengths. Counted from the batch's tile count, a short chunk after a long
