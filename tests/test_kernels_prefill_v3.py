@@ -62,7 +62,8 @@ def test_v3_schedules_are_compile_time_knobs_and_the_choice_keeps_the_epilogue()
         other = build.prefill_config("bfloat16", 128, 16, version=3, schedule=schedule)
         assert other in build.ci_configs() and (other == cfg) == (schedule == build.PrefillV3Schedule()), name
         assert ("V3_PERSISTENT", int(schedule.persistent)) in other.defines
-        assert (("V3_DYNAMIC", 1) in other.defines) == schedule.dynamic  # absent otherwise: the same cubins as before it
+        # V3_DYNAMIC is absent unless set: the other schedules compile to the same cubins as before it existed.
+        assert (("V3_DYNAMIC", 1) in other.defines) == schedule.dynamic
         # setmaxnreg's budget is the launch's 168 x 384 registers: the persistent producer takes 56, so 2 x 224.
         assert ("V3_PRODUCER_REGS", 56 if schedule.persistent else 40) in other.defines
     # The launcher's choice from the longest context: persistent up to the threshold, the plain grid past
@@ -202,7 +203,8 @@ def test_v3_persistent_idle_consumer_does_not_free_q_early(head_dim):
     assert T.max_rel_err(plain, T.oracle(p), p) <= 1e-2
     for name in ("persistent rcp", "persistent rcp dynamic"):
         for _ in range(3):  # a race: several launches
-            out = prefill(p, version=3, schedule=build.PREFILL_V3_SCHEDULES[name], out=torch.full_like(p.q, float("nan")))
+            schedule = build.PREFILL_V3_SCHEDULES[name]
+            out = prefill(p, version=3, schedule=schedule, out=torch.full_like(p.q, float("nan")))
             assert T.same_bits(out, plain), f"{name}: the persistent grid's rows differ from the plain grid's"
 
 

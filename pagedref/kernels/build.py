@@ -170,7 +170,7 @@ class PrefillV3Schedule:
     persistent: bool = False  # at most one CTA per SM walks the work items (snake order)
     rcp_epilogue: bool = False  # one division per row, then products
     bt_shfl: bool = False  # the producer loads a tile's block-table entries once per lane and shuffles them
-    dynamic: bool = False  # (persistent only) items handed out by an atomic counter, longest first, not the snake
+    dynamic: bool = False  # (persistent only) items from an atomic counter, most keys first, not the snake
 
 
 # Prefill v3's schedules the benchmark times side by side (`bench kernel --prefill-schedules`) and CI
