@@ -47,10 +47,6 @@
 // items; the producer copies the next item's first K/V tile, then its Q once the consumers read the
 // current Q for the last time (q_empty), so the next item starts without the load latency a new CTA
 // waits for. Its producer's item loop needs 56 registers (the consumers 224: setmaxnreg's budget).
-// V3_DYNAMIC (with V3_PERSISTENT; unmeasured, the launcher never takes it: "persistent rcp dynamic") hands
-// the items out by an atomic counter instead, each sequence's most-keyed items first, so a CTA whose
-// items were short takes more (FA3's dynamic tile scheduler; a simulation of 4 x 2048's items put it ~3%
-// ahead of the snake). The counter is left at zero for the next launch or graph replay (fetch_item).
 // V3_RCP_EPILOGUE divides O by l as O * (1 / l), one division per row instead of 64 per lane.
 // V3_BT_SHFL: the producer's lane j loads the tile's j-th block-table entry once per tile (before the
 // "empty" wait) and each pass takes its rows' entry by a shuffle, instead of one dependent load per pass.
@@ -81,8 +77,7 @@
 // block 384 threads, dynamic shared memory prefill_v3_shared_bytes (build.py): TQ + 2 * KV_STAGES * TK
 // rows of HEAD_DIM * 2 bytes, 1 KB of alignment slack and the mbarriers.
 // Compile-time parameters (-D): PR_DTYPE (1 or 2), HEAD_DIM (64 or 128), BLOCK_SIZE, KV_STAGES,
-// V3_PERSISTENT, V3_DYNAMIC, V3_RCP_EPILOGUE, V3_BT_SHFL, V3_PRODUCER_REGS. V3_DYNAMIC adds a last argument,
-// int *item_counter (2 ints, zero).
+// V3_PERSISTENT, V3_RCP_EPILOGUE, V3_BT_SHFL, V3_PRODUCER_REGS.
 #define PREFILL_WGMMA 1
 #include "common.cuh"
 
@@ -100,11 +95,7 @@ static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "prefill v3 takes HEAD_DIM 64 o
 #ifndef V3_BT_SHFL
 #define V3_BT_SHFL 0  // 1: one block-table load per lane and tile, shared by shuffles (produce)
 #endif
-#ifndef V3_DYNAMIC
-#define V3_DYNAMIC 0  // 1 (with V3_PERSISTENT): work items handed out by an atomic counter, not the snake (kernel)
-#endif
 static_assert(KV_STAGES >= 2 && KV_STAGES <= 4, "KV_STAGES from 2 to 4");
-static_assert(!V3_DYNAMIC || V3_PERSISTENT, "V3_DYNAMIC schedules the persistent grid");
 
 constexpr int WG = 128;                  // threads per warpgroup
 constexpr int V3_THREADS = 3 * WG;       // producer + 2 consumers (build.PREFILL_V3_THREADS)
@@ -255,15 +246,6 @@ __device__ __forceinline__ bool item_at(int s, int h, int z, int num_q_tiles, co
   return true;
 }
 
-// Work item number i in the plain grid's launch order (sequence fastest, then head, then query tile
-// from the end) -> false if its rows are past the sequence's chunk.
-__device__ __forceinline__ bool item_of_index(int i, int num_seqs, int num_heads, int num_q_tiles,
-                                              const int *__restrict__ query_start_loc,
-                                              const int *__restrict__ context_lens, Item &it) {
-  const int per_tile = num_seqs * num_heads, rem = i % per_tile;
-  return item_at(rem % num_seqs, rem / num_seqs, i / per_tile, num_q_tiles, query_start_loc, context_lens, it);
-}
-
 // Persistent grid (V3_PERSISTENT): the CTA's k-th work item, or false past the last. Items are numbered
 // as the plain grid's CTAs launch (sequence fastest, then head, then query tile from the end: the most
 // keys first) and dealt to the gridDim.x CTAs in rounds, forward in even rounds and backward in odd
@@ -276,71 +258,15 @@ __device__ __forceinline__ bool item_of_round(int k, int num_seqs, int num_heads
   const int i = k * g + ((k & 1) ? g - 1 - (int)blockIdx.x : (int)blockIdx.x);
   more = (k + 1) * g < num_items;
   if (i >= num_items) return false;
-  return item_of_index(i, num_seqs, num_heads, num_q_tiles, query_start_loc, context_lens, it);
+  const int per_tile = num_seqs * num_heads, rem = i % per_tile;
+  return item_at(rem % num_seqs, rem / num_seqs, i / per_tile, num_q_tiles, query_start_loc, context_lens, it);
 }
-
 
 // One arrival per warp on `bar` (the consumers' barriers count warps).
 __device__ __forceinline__ void release(unsigned bar, int lane) {
   __syncwarp();
   if (lane == 0) mbar_arrive(bar);
 }
-
-#if V3_DYNAMIC
-// Dynamic persistent grid (V3_DYNAMIC): the CTA's k-th work item is the index the k-th atomicAdd on
-// counter[0] returns (item_of_index_own's numbering: each sequence's items with the most keys first). A CTA
-// whose items were short takes more, which balances better than the static snake: it is FA3's dynamic tile
-// scheduler (a greedy "longest first" schedule). The producer's thread 0 fetches, skipping indices with no
-// rows, and slot k % 2 of shared memory passes the index to the CTA's 12 warps. item_full[k % 2] (1
-// arrival) says the slot is written, and item_empty[k % 2] (one arrival per warp) says every warp has read
-// it. An index past the last item comes back as -1, and the CTA leaves. The last CTA to get there puts both
-// counters back to zero, so the next launch, or a graph replay, starts from zero.
-// Item i's numbering: the plain grid's (sequence fastest, then head, then query tile z), but z counts from
-// each sequence's OWN last tile. So the first indices hold every sequence's item with the most keys,
-// whatever the others' query lengths. Counted from the batch's tile count, a short chunk after a long
-// context would come last: the worst place for a longest-first schedule. -> false if z is past its tiles.
-__device__ __forceinline__ bool item_of_index_own(int i, int num_seqs, int num_heads,
-                                                  const int *__restrict__ query_start_loc,
-                                                  const int *__restrict__ context_lens, Item &it) {
-  const int per_tile = num_seqs * num_heads, rem = i % per_tile, s = rem % num_seqs, z = i / per_tile;
-  const int own_tiles = (query_start_loc[s + 1] - query_start_loc[s] + TQ - 1) / TQ;
-  return z < own_tiles && item_at(s, rem / num_seqs, z, own_tiles, query_start_loc, context_lens, it);
-}
-
-__device__ __forceinline__ void fetch_item(int k, unsigned slots, unsigned item_full, unsigned item_empty,
-                                           int *__restrict__ counter, int num_seqs, int num_heads, int num_q_tiles,
-                                           const int *__restrict__ query_start_loc,
-                                           const int *__restrict__ context_lens) {
-  const int s = k & 1, num_items = num_seqs * num_heads * num_q_tiles;
-  if (k >= 2) mbar_wait(item_empty + 8 * s, ((k >> 1) - 1) & 1);  // every warp read fetch k - 2
-  int i;
-  Item it;
-  do  // indices with no rows are not passed on: a hand-off through 12 warps each would stall the producer
-    i = atomicAdd(counter, 1);
-  while (i < num_items && !item_of_index_own(i, num_seqs, num_heads, query_start_loc, context_lens, it));
-  if (i >= num_items) {
-    i = -1;
-    __threadfence();  // this CTA's last fetch is performed before it counts itself done
-    if (atomicAdd(counter + 1, 1) == (int)gridDim.x - 1) {  // every CTA has made its last fetch
-      __threadfence();
-      atomicExch(counter, 0);
-      atomicExch(counter + 1, 0);
-    }
-  }
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slots + 4 * s), "r"(i) : "memory");
-  mbar_arrive(item_full + 8 * s);  // release: the store above is seen by whoever acquires the phase
-}
-
-// Every warp of the CTA, for its k-th fetch: the item index (-1: no more); the warp then says it read the slot.
-__device__ __forceinline__ int read_item(int k, unsigned slots, unsigned item_full, unsigned item_empty, int lane) {
-  const int s = k & 1;
-  mbar_wait(item_full + 8 * s, (k >> 1) & 1);
-  int i;
-  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(i) : "r"(slots + 4 * s) : "memory");
-  release(item_empty + 8 * s, lane);
-  return i;
-}
-#endif
 
 // S = Q K^T over HEAD_DIM / 16 k-steps of 32 bytes (4 per 128-byte column block); one commit group.
 // q_wg: this consumer's 64 rows of Q; k_s: the stage's K tile [TK rows]. sc: 64 x TK fp32 per warpgroup.
@@ -365,6 +291,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[HEAD_DIM / 2], const unsigne
 // causal mask where `masked`, then the online softmax in log2 units, p = 2^(s * scale_log2 - m *
 // scale_log2) (one fma and one ex2); the running max m (raw score units) and this lane's exp-sums l move
 // on, and corr = 2^((m_old - m_new) * scale_log2) is what O must be scaled by before this tile's P V.
+// Both schedules of consume() call this: a row's arithmetic is written once.
 __device__ __forceinline__ void softmax_tile(float (&sc)[TK / 2], int key0, bool masked, int pos_lo, int pos_hi,
                                              int tig, float scale_log2, float &m_lo, float &m_hi, float &l_lo,
                                              float &l_hi, float &corr_lo, float &corr_hi) {
@@ -556,39 +483,16 @@ extern "C" __global__ void __launch_bounds__(V3_THREADS, 1) paged_prefill_v3(
     const scalar_t *__restrict__ k_cache, const scalar_t *__restrict__ v_cache,
     const int *__restrict__ block_tables, const int *__restrict__ context_lens,
     const int *__restrict__ query_start_loc, int max_blocks, int num_heads, int num_kv_heads, float scale,
-    int num_seqs, int num_q_tiles
-#if V3_DYNAMIC
-    , int *__restrict__ item_counter  // 2 ints, zero at launch (and again after it): next item, CTAs done
-#endif
-    ) {
+    int num_seqs, int num_q_tiles) {
   extern __shared__ unsigned char smem_v3[];
   // 1024-byte aligned base (the swizzle atoms): Q [TQ rows], then KV_STAGES x (K, V) [TK rows], then
-  // the mbarriers: full[KV_STAGES], empty[KV_STAGES], q_empty, 8 bytes each (V3_DYNAMIC: then item_full[2],
-  // item_empty[2] and the two item slots).
+  // the mbarriers: full[KV_STAGES], empty[KV_STAGES], q_empty, 8 bytes each.
   const unsigned base = (smem_u32(smem_v3) + 1023u) & ~1023u;
   const unsigned q_s = base, kv_s = base + Q_BYTES;
   const unsigned full = kv_s + KV_STAGES * STAGE_BYTES, empty = full + 8 * KV_STAGES, q_empty = empty + 8 * KV_STAGES;
   const long long q_row_stride = (long long)num_heads * HEAD_DIM;
   const int tid = threadIdx.x, wg = tid / WG;
-#if V3_DYNAMIC
-  const unsigned item_full = q_empty + 8, item_empty = item_full + 16, slots = item_empty + 16;
-#endif
-#if V3_PERSISTENT
-  // The CTA's k-th work item, the same for every thread (false: none this time; `more` false: none after
-  // it either): from the static snake, or from V3_DYNAMIC's counter.
-  auto next_item = [&](int k, Item &it, bool &more) {
-#if V3_DYNAMIC
-    if (tid == 0)
-      fetch_item(k, slots, item_full, item_empty, item_counter, num_seqs, num_heads, num_q_tiles, query_start_loc,
-                 context_lens);
-    const int i = read_item(k, slots, item_full, item_empty, tid % 32);
-    more = i >= 0;
-    return more && item_of_index_own(i, num_seqs, num_heads, query_start_loc, context_lens, it);
-#else
-    return item_of_round(k, num_seqs, num_heads, num_q_tiles, query_start_loc, context_lens, it, more);
-#endif
-  };
-#else
+#if !V3_PERSISTENT
   // One CTA per work item; query tiles in reverse launch order: the last tiles of a sequence see the
   // most keys, so they start first.
   Item it;
@@ -602,12 +506,6 @@ extern "C" __global__ void __launch_bounds__(V3_THREADS, 1) paged_prefill_v3(
       mbar_init(empty + 8 * i, 8);  // one arrival per consumer warp (its mmas read the stage)
     }
     if (V3_PERSISTENT) mbar_init(q_empty, 8);  // one arrival per consumer warp (its S mmas read Q)
-#if V3_DYNAMIC
-    for (int i = 0; i < 2; ++i) {
-      mbar_init(item_full + 8 * i, 1);  // producer thread 0 wrote the slot
-      mbar_init(item_empty + 8 * i, V3_THREADS / 32);  // every warp of the CTA read it
-    }
-#endif
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -619,7 +517,7 @@ extern "C" __global__ void __launch_bounds__(V3_THREADS, 1) paged_prefill_v3(
     bool more = true;
     for (int k = 0; more; ++k) {
       Item it;
-      if (!next_item(k, it, more)) continue;
+      if (!item_of_round(k, num_seqs, num_heads, num_q_tiles, query_start_loc, context_lens, it, more)) continue;
 #else
     {
       const int g = 0, n = 0;
@@ -640,7 +538,7 @@ extern "C" __global__ void __launch_bounds__(V3_THREADS, 1) paged_prefill_v3(
     bool more = true;
     for (int k = 0; more; ++k) {
       Item it;
-      if (!next_item(k, it, more)) continue;
+      if (!item_of_round(k, num_seqs, num_heads, num_q_tiles, query_start_loc, context_lens, it, more)) continue;
 #else
     {
       const int g = 0;

@@ -52,8 +52,6 @@ def test_v3_shared_memory_fits_an_sm():
         for stages in range(2, build.prefill_v3_stages(head_dim) + 1):
             assert build.prefill_v3_shared_bytes(head_dim, stages) <= 227 * 1024
     assert build.prefill_v3_shared_bytes(128) == (128 + 2 * 3 * 128) * 128 * 2 + 1024 + 3 * 16 + 16
-    # The dynamic schedule's item_full[2], item_empty[2] and two item slots follow q_empty.
-    assert build.prefill_v3_shared_bytes(128, dynamic=True) == build.prefill_v3_shared_bytes(128) + 48 <= 227 * 1024
 
 
 def test_v3_schedules_are_compile_time_knobs_and_the_choice_keeps_the_epilogue():
@@ -62,8 +60,6 @@ def test_v3_schedules_are_compile_time_knobs_and_the_choice_keeps_the_epilogue()
         other = build.prefill_config("bfloat16", 128, 16, version=3, schedule=schedule)
         assert other in build.ci_configs() and (other == cfg) == (schedule == build.PrefillV3Schedule()), name
         assert ("V3_PERSISTENT", int(schedule.persistent)) in other.defines
-        # V3_DYNAMIC is absent unless set: the other schedules compile to the same cubins as before it existed.
-        assert (("V3_DYNAMIC", 1) in other.defines) == schedule.dynamic
         # setmaxnreg's budget is the launch's 168 x 384 registers: the persistent producer takes 56, so 2 x 224.
         assert ("V3_PRODUCER_REGS", 56 if schedule.persistent else 40) in other.defines
     # The launcher's choice from the longest context: persistent up to the threshold, the plain grid past
@@ -72,9 +68,6 @@ def test_v3_schedules_are_compile_time_knobs_and_the_choice_keeps_the_epilogue()
     chosen = {ctx: launch.prefill_v3_schedule(ctx) for ctx in (1, 512, limit, limit + 1, 8192, 10**6)}
     assert chosen[limit].persistent and not chosen[limit + 1].persistent
     assert len({s.rcp_epilogue for s in chosen.values()}) == 1
-    assert not any(s.dynamic for s in chosen.values())  # unmeasured: offered to the benchmark only
-    with pytest.raises(ValueError, match="persistent"):  # it hands out the persistent grid's items
-        build.prefill_config("bfloat16", 128, 16, version=3, schedule=build.PrefillV3Schedule(dynamic=True))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
@@ -184,7 +177,7 @@ def test_v3_schedules_change_no_bit(head_dim):
         p = T.make_problem(lens, q_lens, num_heads=4, num_kv_heads=1, head_dim=head_dim, block_size=block_size,
                            dtype=torch.float16, seed=7)
         ref = prefill(p, version=3, schedule=build.PREFILL_V3_SCHEDULES["rcp bt"])
-        for name in ("persistent rcp", "persistent rcp bt", "persistent rcp dynamic"):
+        for name in ("persistent rcp", "persistent rcp bt"):
             assert T.same_bits(prefill(p, version=3, schedule=build.PREFILL_V3_SCHEDULES[name]), ref), (lens, name)
 
 
@@ -201,40 +194,7 @@ def test_v3_persistent_idle_consumer_does_not_free_q_early(head_dim):
     assert launch.prefill_v3_schedule(max(lens)).persistent  # what the engine would launch here
     plain = prefill(p, version=3, schedule=build.PrefillV3Schedule(rcp_epilogue=True))
     assert T.max_rel_err(plain, T.oracle(p), p) <= 1e-2
-    for name in ("persistent rcp", "persistent rcp dynamic"):
-        for _ in range(3):  # a race: several launches
-            schedule = build.PREFILL_V3_SCHEDULES[name]
-            out = prefill(p, version=3, schedule=schedule, out=torch.full_like(p.q, float("nan")))
-            assert T.same_bits(out, plain), f"{name}: the persistent grid's rows differ from the plain grid's"
-
-
-@pytest.mark.gpu
-@needs_hopper
-def test_v3_dynamic_schedule_leaves_its_counter_at_zero_and_replays_in_a_graph():
-    # The dynamic schedule's CTAs take items from a counter in global memory; the last CTA to run out puts
-    # it back to zero, so the next launch, and every replay of a captured one, starts from item 0 again
-    # (a counter left at n would hand out nothing, and leave every row of the output unwritten).
-    p = T.make_problem([2048, 300, 1500, 64], [2048, 300, 700, 1], num_heads=16, num_kv_heads=4, head_dim=128,
-                       dtype=torch.bfloat16, seed=11)
-    dynamic = build.PREFILL_V3_SCHEDULES["persistent rcp dynamic"]
-    out = torch.full_like(p.q, float("nan"))
-
-    def run():
-        prefill(p, version=3, schedule=dynamic, out=out, max_query_len=2048, max_context_len=2048, check=False)
-    run()
-    torch.cuda.synchronize()
-    assert launch._counters(p.q.device, 2, "prefill items")[:2].tolist() == [0, 0]
-    assert T.same_bits(out, prefill(p, version=3, schedule=build.PREFILL_V3_SCHEDULES["rcp bt"]))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for seed in range(3):  # new queries and a new block placement in the captured buffers, each replay
-        moved = T.permute_blocks(p, seed=12 + seed)
-        for name in ("k_cache", "v_cache", "block_tables"):
-            getattr(p, name).copy_(getattr(moved, name))
-        p.q.copy_(torch.randn(p.q.shape, generator=torch.Generator().manual_seed(seed)).to(p.q))
-        out.fill_(float("nan"))
-        graph.replay()
-        assert T.same_bits(out, prefill(p, version=3, schedule=build.PREFILL_V3_SCHEDULES["rcp bt"])), seed
-    torch.cuda.synchronize()
-    assert launch._counters(p.q.device, 2, "prefill items")[:2].tolist() == [0, 0]
+    for _ in range(3):  # a race: several launches
+        out = prefill(p, version=3, schedule=build.PREFILL_V3_SCHEDULES["persistent rcp"],
+                      out=torch.full_like(p.q, float("nan")))
+        assert T.same_bits(out, plain), "the persistent grid's rows differ from the plain grid's"

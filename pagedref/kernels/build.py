@@ -152,12 +152,11 @@ def prefill_v3_stages(head_dim: int) -> int:
     return 3 if head_dim > 64 else 4
 
 
-def prefill_v3_shared_bytes(head_dim: int, stages: int | None = None, dynamic: bool = False) -> int:
+def prefill_v3_shared_bytes(head_dim: int, stages: int | None = None) -> int:
     """Dynamic shared memory of prefill v3: the query tile, `stages` K and V tiles, 1 KB of alignment
-    slack (the swizzle atoms start on 1024-byte boundaries), two mbarriers per stage and one for Q
-    (`dynamic`, PrefillV3Schedule.dynamic: and 2 x 2 mbarriers and 2 item slots)."""
+    slack (the swizzle atoms start on 1024-byte boundaries), two mbarriers per stage and one for Q."""
     stages = stages or prefill_v3_stages(head_dim)
-    return (PREFILL_V3_ROWS + 2 * stages * PREFILL_V3_KEY_TILE) * head_dim * 2 + 1024 + 16 * stages + 16 + 48 * dynamic
+    return (PREFILL_V3_ROWS + 2 * stages * PREFILL_V3_KEY_TILE) * head_dim * 2 + 1024 + 16 * stages + 16
 
 
 @dataclass(frozen=True)
@@ -170,7 +169,6 @@ class PrefillV3Schedule:
     persistent: bool = False  # at most one CTA per SM walks the work items (snake order)
     rcp_epilogue: bool = False  # one division per row, then products
     bt_shfl: bool = False  # the producer loads a tile's block-table entries once per lane and shuffles them
-    dynamic: bool = False  # (persistent only) items from an atomic counter, most keys first, not the snake
 
 
 # Prefill v3's schedules the benchmark times side by side (`bench kernel --prefill-schedules`) and CI
@@ -182,8 +180,6 @@ PREFILL_V3_SCHEDULES: dict[str, PrefillV3Schedule] = {
     "persistent": PrefillV3Schedule(persistent=True),
     "persistent rcp": PrefillV3Schedule(persistent=True, rcp_epilogue=True),
     "persistent rcp bt": PrefillV3Schedule(persistent=True, rcp_epilogue=True, bt_shfl=True),
-    # unmeasured (the launcher never picks it): the persistent grid balanced by FA3's dynamic scheduler
-    "persistent rcp dynamic": PrefillV3Schedule(persistent=True, rcp_epilogue=True, dynamic=True),
 }
 
 
@@ -202,12 +198,9 @@ def prefill_config(dtype: str, head_dim: int, block_size: int, version: int = 1,
             raise ValueError(f"prefill v3 takes float16/bfloat16 with head_dim in {PREFILL_V3_HEAD_DIMS}, got "
                              f"{dtype} with head_dim {head_dim}")
         stages = stages or prefill_v3_stages(head_dim)
-        if schedule.dynamic and not schedule.persistent:
-            raise ValueError("prefill v3's dynamic schedule hands out the persistent grid's items: "
-                             "it needs persistent=True")
         # The persistent producer's item loop spills under 40 registers: 56 + 2 x 224 (setmaxnreg's budget).
         knobs = (("V3_PERSISTENT", int(schedule.persistent)), ("V3_RCP_EPILOGUE", int(schedule.rcp_epilogue)),
-                 ("V3_BT_SHFL", int(schedule.bt_shfl)), *((("V3_DYNAMIC", 1),) if schedule.dynamic else ()),
+                 ("V3_BT_SHFL", int(schedule.bt_shfl)),
                  ("V3_PRODUCER_REGS", 56 if schedule.persistent else 40))
         return KernelConfig("paged_prefill_hopper.cu",
                             (*defines, ("KV_STAGES", stages), *knobs), PREFILL_V3_ARCH)

@@ -107,8 +107,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     merge_in_kernel = version == 3 and tuning.merge_in_kernel and max_parts > 1
     counters = ()  # v3 takes its merge counters last (null when the reduce kernel merges)
     if version == 3:
-        num_groups = shape.num_seqs * (shape.num_heads // hpc)
-        counters = (_ptr(_counters(q.device, num_groups, "decode merge")) if merge_in_kernel else np.uint64(0),)
+        counters = (_ptr(_merge_counters(q.device, shape.num_seqs * (shape.num_heads // hpc))) if merge_in_kernel
+                    else np.uint64(0),)
     _launch(config, f"paged_attention_v{version}", q.device, (shape.num_heads // hpc, max_parts, shape.num_seqs),
             (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(q), *common,
              np.int32(max_parts), np.float32(scale), *counters))
@@ -119,20 +119,19 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-_COUNTERS: dict[tuple[int, str], torch.Tensor] = {}  # (device index, user) -> int32 counters, zeros between launches
+_MERGE_COUNTERS: dict[int, torch.Tensor] = {}  # device index -> int32 counters, zeros between launches
 _RETIRED_COUNTERS: list[torch.Tensor] = []  # outgrown buffers and those made in a capture: graphs may replay them
 
 
-def _counters(device: torch.device, n: int, user: str) -> torch.Tensor:
-    """At least n int32 counters, zero, of one user: "decode merge" (decode v3's in-kernel merge, one per
-    (sequence, head group)) or "prefill items" (prefill v3's dynamic schedule: next item, CTAs done).
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 counters, zero, for v3's in-kernel merge (one per (sequence, head group)).
 
-    The kernel puts every counter it used back to zero, so one buffer per device and user serves every launch and
+    The kernel puts each counter it used back to zero, so one buffer per device serves every launch and
     every graph replay, provided no two of them run at once (one stream: the engine's; a graph replays on
     it too). A buffer grows outside graph capture; a capture that needs more captures its own zeroed
     buffer. None is ever freed: a captured graph may replay it, and a buffer freed during a capture could
     be handed to a later allocation of the same capture."""
-    buf = _COUNTERS.get((device.index, user))
+    buf = _MERGE_COUNTERS.get(device.index)
     if buf is not None and buf.numel() >= n:
         return buf
     new = torch.zeros(max(n, 1024, 2 * (buf.numel() if buf is not None else 0)), dtype=torch.int32, device=device)
@@ -141,7 +140,7 @@ def _counters(device: torch.device, n: int, user: str) -> torch.Tensor:
     else:
         if buf is not None:
             _RETIRED_COUNTERS.append(buf)
-        _COUNTERS[device.index, user] = new
+        _MERGE_COUNTERS[device.index] = new
     return new
 
 
@@ -197,8 +196,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # The version's kernel, query rows per CTA, threads per CTA and dynamic shared memory.
     if version == 3:
         name, rows, threads = "paged_prefill_v3", build.PREFILL_V3_ROWS, build.PREFILL_V3_THREADS
-        schedule = schedule or prefill_v3_schedule(max_context_len)
-        smem = build.prefill_v3_shared_bytes(shape.head_dim, dynamic=schedule.dynamic)
+        smem = build.prefill_v3_shared_bytes(shape.head_dim)
     elif version == 2:
         name, rows, threads = "paged_prefill_v2", PREFILL_MMA_ROWS, NUM_THREADS
         smem = prefill_mma_shared_bytes(shape.head_dim)
@@ -210,11 +208,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q_tiles = -(-max_query_len // rows)
     grid, extra = (shape.num_seqs, shape.num_heads, q_tiles), ()
     if version == 3:  # v3 also takes num_seqs and q_tiles (its persistent grid numbers the work items with them)
+        schedule = schedule or prefill_v3_schedule(max_context_len)
         extra = (np.int32(shape.num_seqs), np.int32(q_tiles))
         if schedule.persistent:
             grid = (min(shape.num_seqs * shape.num_heads * q_tiles, _num_sms(q.device)), 1, 1)
-        if schedule.dynamic:  # its item counter and count of CTAs done, which the kernel leaves at zero
-            extra += (_ptr(_counters(q.device, 2, "prefill items")),)
     config = build.prefill_config(_dtype_name(q), shape.head_dim, shape.block_size, version,
                                   schedule=schedule or build.PrefillV3Schedule())
     _launch(config, name, q.device, grid,

@@ -28,7 +28,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 # Prefill v3's schedules beside the launcher's (launch.prefill_v3_schedule: persistent rcp on
 # selfcheck's contexts), at bfloat16 / 128 / 16 (build.PREFILL_V3_SCHEDULES).
-V3_SCHEDULES = ("plain", "persistent", "rcp bt", "persistent rcp bt", "persistent rcp dynamic")
+V3_SCHEDULES = ("plain", "persistent", "rcp bt", "persistent rcp bt")
 
 
 def run_prefill(p: testing.PagedProblem, **kw) -> torch.Tensor:
