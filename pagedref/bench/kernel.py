@@ -17,8 +17,8 @@ work captured in a CUDA graph where possible (so Python launch overhead is not m
 enough buffer sets that the working set exceeds 3x the L2 cache; competitors of one shape are timed
 in interleaved rounds; no number is asserted, only reported.
 Usage: `python -m pagedref.bench kernel [--json [PATH]] [--variants] [--reps N] [--no-prefill] [--no-decode]
-[--candidates NAME ...] [--peers flashinfer] [--prefill-schedules [NAME ...]] [--skip-version 3]
-[--skip-prefill-version 1|2|3]`
+[--decode-shapes BxC ...] [--candidates NAME ...] [--peers flashinfer] [--prefill-schedules [NAME ...]]
+[--skip-version 3] [--skip-prefill-version 1|2|3]`
 """
 
 from __future__ import annotations
@@ -36,6 +36,15 @@ import torch
 
 DECODE_SHAPES = ((64, 4096), (256, 1024), (8, 32768), (32, 512), (256, 512), (1, 131072))  # (batch, context)
 
+# (batch, query rows, context): whole causal prompts, and a chunk of 2048 rows after 6144 cached tokens
+PREFILL_SHAPES = ((4, 2048, 2048), (1, 8192, 8192), (1, 2048, 8192), (16, 512, 512))
+PREFILL_VERSIONS = (1, 2, 3)  # v1 on CUDA cores, v2 mma.sync (FA2), v3 wgmma on sm_90 (FA3; the default there)
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+ROUNDS = 3  # interleaved timing rounds per comparison (see time_rounds)
+PEERS = ("flashinfer",)  # other paged-attention libraries --peers can time on the same pool
+PEER_WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
+
 
 def decode_shape(text: str) -> tuple[int, int]:
     """'8x4096' -> (8, 4096): a --decode-shapes entry (sequences x context tokens)."""
@@ -46,14 +55,6 @@ def decode_shape(text: str) -> tuple[int, int]:
     if batch < 1 or context < 1:
         raise argparse.ArgumentTypeError(f"a decode shape needs >= 1 sequence and >= 1 token; got {text!r}")
     return batch, context
-# (batch, query rows, context): whole causal prompts, and a chunk of 2048 rows after 6144 cached tokens
-PREFILL_SHAPES = ((4, 2048, 2048), (1, 8192, 8192), (1, 2048, 8192), (16, 512, 512))
-PREFILL_VERSIONS = (1, 2, 3)  # v1 on CUDA cores, v2 mma.sync (FA2), v3 wgmma on sm_90 (FA3; the default there)
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-DTYPE = torch.bfloat16
-ROUNDS = 3  # interleaved timing rounds per comparison (see time_rounds)
-PEERS = ("flashinfer",)  # other paged-attention libraries --peers can time on the same pool
-PEER_WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
 
 
 def prepare(fns, warmup: int = 5, graph: bool = True) -> tuple[list, bool]:
