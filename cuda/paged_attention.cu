@@ -725,8 +725,12 @@ __device__ __forceinline__ void store_o(float (*o_s)[HEAD_DIM], const float (&o)
 // The merge sits on a group's critical path while L2 is busy with everyone's K/V, and a serial chain
 // of round trips (G x partitions) cost more than the launch it saved: 43 us at (1, 131072), where 8
 // CTAs merge 128 partitions each. So the loads are now issued MERGE_UNROLL partitions at a time (all
-// of them for up to MERGE_UNROLL partitions), before the weights need the max; that form is not
-// measured yet.
+// of them for up to MERGE_UNROLL partitions), before the weights need the max. Measured in that form
+// (H200, 2026-12-01 19:22 UTC, docs/results/kernel-2026-12-01-s5-q-empty-fix.json; FlashInfer 4334 / 4106 /
+// 4318 / 2558 / 3723 / 4001 GB/s there):
+//   p4096, merged in kernel     4405 (101.6%)  4339 (105.7%)  4318 (100.0%)  2987 (116.8%)  4099 (110.1%)  3996 (99.9%)
+// the only tuning at or above FlashInfer at every shape but (1, 131072); the default keeps 1024-token
+// partitions, which serve small batches with more CTAs (docs/benchmarks.md).
 constexpr int MERGE_CHUNK = PR_WARP;  // partitions whose weights pass through shared memory at a time
 constexpr int MERGE_PER_THREAD = (G * HEAD_DIM + NUM_THREADS - 1) / NUM_THREADS;  // output elements per thread
 // Partitions whose partial outputs a thread has in flight at once (MERGE_PER_THREAD loads each):

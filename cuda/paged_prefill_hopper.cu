@@ -291,7 +291,6 @@ __device__ __forceinline__ void issue_pv(float (&o)[HEAD_DIM / 2], const unsigne
 // causal mask where `masked`, then the online softmax in log2 units, p = 2^(s * scale_log2 - m *
 // scale_log2) (one fma and one ex2); the running max m (raw score units) and this lane's exp-sums l move
 // on, and corr = 2^((m_old - m_new) * scale_log2) is what O must be scaled by before this tile's P V.
-// Both schedules of consume() call this: a row's arithmetic is written once.
 __device__ __forceinline__ void softmax_tile(float (&sc)[TK / 2], int key0, bool masked, int pos_lo, int pos_hi,
                                              int tig, float scale_log2, float &m_lo, float &m_hi, float &l_lo,
                                              float &l_hi, float &corr_lo, float &corr_hi) {
