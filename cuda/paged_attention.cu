@@ -50,9 +50,6 @@
 //      flash-decoding's "last block reduces"), so no reduce launch follows; the same operations in
 //      the same order per output element as paged_attention_reduce, hence the same bits. Measured
 //      slower than the reduce launch in its first form (see merge_partitions).
-//   v3 with parts_per_cta > 1 (a launch argument the launcher may plan from the batch): a CTA
-//      computes several partitions of its sequence in turn, each exactly as a CTA of its own would,
-//      and merges them itself when it holds them all; a schedule again, the same bits.
 //   Bit-level consequences: every reduction runs in an order fixed by (HEAD_DIM, PARTITION_SIZE,
 //   THREADS_PER_TOKEN, NUM_THREADS) and by token index only, so a sequence's result is the same
 //   bits whatever physical blocks hold its K/V, whatever else is in the batch, and however the
@@ -61,9 +58,8 @@
 //
 // Launch shapes:
 //   v1:     grid (num_seqs, num_heads),                              block NUM_THREADS
-//   v2, v3: grid (num_heads / HEADS_PER_CTA, ceil(max_parts / parts_per_cta), num_seqs), block
-//           NUM_THREADS (v2: parts_per_cta = 1; the CTAs of one sequence and partition are neighbours
-//           in launch order)
+//   v2, v3: grid (num_heads / HEADS_PER_CTA, max_parts, num_seqs),  block NUM_THREADS (the CTAs of
+//           one sequence and partition are neighbours in launch order)
 //   reduce: grid (num_seqs, num_heads),                              block NUM_THREADS
 //
 // Compile-time parameters (-D): PR_DTYPE (0 fp32, 1 fp16, 2 bf16), HEAD_DIM (a multiple of VEC,
@@ -706,6 +702,7 @@ __device__ __forceinline__ void store_o(float (*o_s)[HEAD_DIM], const float (&o)
   }
 }
 
+#if MERGE_IN_KERNEL
 // MERGE_IN_KERNEL=1: the last CTA of a (sequence, head group) to finish merges its partitions, so no
 // second launch (and no ramp-up and tail of one) follows. Each partition CTA writes its partials as
 // before, makes them visible device-wide (__threadfence) and takes a ticket from the group's counter;
@@ -835,236 +832,185 @@ __device__ __noinline__ void merge_partitions(scalar_t *__restrict__ out, const 
     if (i < G * HEAD_DIM) out[(row0 + i / HEAD_DIM) * HEAD_DIM + i % HEAD_DIM] = from_float(acc[k] / total[k]);
   }
 }
-
-// The CTA's indices, read again where needed: an asm volatile read is not merged with the first, so no
-// register holds them over the slab loop.
-__device__ __forceinline__ int fresh_ctaid_x() {
-  int v;
-  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(v));
-  return v;
-}
-__device__ __forceinline__ int ld_volatile(const int *p) { return *reinterpret_cast<const volatile int *>(p); }
-__device__ __forceinline__ int fresh_ctaid_z() {
-  int v;
-  asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(v));
-  return v;
-}
+#endif  // MERGE_IN_KERNEL
 
 // v2's arguments and outputs, shape for shape (the launcher passes the same tuple to either), then
-// parts_per_cta and merge_counters: [num_seqs, num_heads / G] int32, zeros between launches
-// (MERGE_IN_KERNEL=1 only; otherwise unused and may be null).
-// A CTA computes partitions blockIdx.y * parts_per_cta .. + parts_per_cta - 1 of its sequence, one
-// after the other (at most MAX_PARTS_PER_CTA: their block numbers are staged at once). Each is computed
-// exactly as by a CTA of its own (same slabs per warp, its own softmax, its own partials), so
-// parts_per_cta is a schedule, never the arithmetic: the launcher plans it from the batch, as
-// FlashInfer plans its split, and no bit changes. Why: a few sequences need a CTA per partition to
-// fill the GPU, but many sequences fill it anyway, and then every CTA's ramp-up (block numbers, query,
-// first slab) and the reduce launch only cost time. Here the next partition's first slab is loaded
-// under this one's last, and a CTA that computed all of its sequence's partitions merges them itself,
-// with paged_attention_reduce's operations in its order (merge_partitions): the same bits again.
+// merge_counters: [num_seqs, num_heads / G] int32, zeros between launches (MERGE_IN_KERNEL=1 only;
+// otherwise unused and may be null).
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged_attention_v3(
     scalar_t *__restrict__ out, float *__restrict__ tmp_out, float *__restrict__ max_logits,
     float *__restrict__ exp_sums, const scalar_t *__restrict__ q, const scalar_t *__restrict__ k_cache,
     const scalar_t *__restrict__ v_cache, const int *__restrict__ block_tables,
     const int *__restrict__ context_lens, int max_blocks, int num_heads, int num_kv_heads, int max_parts,
-    float scale, int parts_per_cta, int *__restrict__ merge_counters) {
+    float scale, int *__restrict__ merge_counters) {
   constexpr int PART_BLOCKS = PARTITION_SIZE / BLOCK_SIZE;
-  __shared__ int blocks_s[PART_BLOCKS];  // the block numbers of the partition being computed
+  __shared__ int blocks_s[PART_BLOCKS];
   __shared__ float o_s[NUM_WARPS][G][HEAD_DIM];           // each warp's unnormalized p.V
   __shared__ float m_s[NUM_WARPS][G], l_s[NUM_WARPS][G];  // each warp's max (log2 units) and exp-sum
   __shared__ uint4 q_s[8][HEAD_DIM / VEC];                 // the query, 8 heads (zeros past G)
-  __shared__ int ctx_s, last_part_s;  // read between partitions: no register holds them over the slabs
 
-  const int head0 = blockIdx.x * G, part0 = blockIdx.y * parts_per_cta, s = blockIdx.z;
+  const int head0 = blockIdx.x * G, part = blockIdx.y, s = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / PR_WARP, lane = tid % PR_WARP;
   const int grp = lane / 4, tig = lane % 4;  // this lane's row group and column pair in mma fragments
-  const int start0 = part0 * PARTITION_SIZE;
+  const int start = part * PARTITION_SIZE;
 
-  // Three independent reads, all in flight at once: the context length, the first partition's block
+  // Three independent reads, all in flight at once: the context length, the partition's block
   // numbers (columns past the sequence's last block are padding, staged but never used) and the
   // query's B fragments (head head0 + grp, dims 32c + 8tig; zeros in the columns past G).
   const int ctx = context_lens[s];
-  const int *bt = block_tables + (long long)s * max_blocks + start0 / BLOCK_SIZE;
-  for (int i = tid; i < PART_BLOCKS && start0 / BLOCK_SIZE + i < max_blocks; i += NUM_THREADS) blocks_s[i] = bt[i];
+  const int *bt = block_tables + (long long)s * max_blocks + start / BLOCK_SIZE;
+  for (int i = tid; i < PART_BLOCKS && start / BLOCK_SIZE + i < max_blocks; i += NUM_THREADS) blocks_s[i] = bt[i];
   for (int i = tid; i < 8 * HEAD_DIM / VEC; i += NUM_THREADS) {
     const int h = i / (HEAD_DIM / VEC), c = i % (HEAD_DIM / VEC);
     q_s[h][c] = h < G ? load16(q + ((long long)s * num_heads + head0 + h) * HEAD_DIM + c * VEC) : make_uint4(0u, 0u, 0u, 0u);
   }
-  if (start0 >= ctx) return;  // the whole CTA leaves together, before any barrier
-  if (tid == 0) {
-    ctx_s = ctx;
-    last_part_s = min(part0 + parts_per_cta, (ctx + PARTITION_SIZE - 1) / PARTITION_SIZE) - 1;  // this CTA's last
-  }
+  if (start >= ctx) return;  // the whole CTA leaves together, before any barrier
+  const int n = min(PARTITION_SIZE, ctx - start);
+  const int num_parts = (ctx + PARTITION_SIZE - 1) / PARTITION_SIZE;
+  const int num_slabs = (n + SLAB - 1) / SLAB;
   const float scale_log2 = scale * LOG2E;
-  const int row_stride = num_kv_heads * HEAD_DIM, kv_off = head0 / (num_heads / num_kv_heads) * HEAD_DIM;
-  const int h0 = 2 * tig, h1 = 2 * tig + 1;
-  __syncthreads();  // blocks_s, ctx_s and last_part_s ready
+  const PartitionRows rows{blocks_s, n, num_kv_heads * HEAD_DIM, head0 / (num_heads / num_kv_heads) * HEAD_DIM};
+  __syncthreads();  // blocks_s ready
 
-  // The CTA's partitions, one after the other, each exactly as a CTA of its own computes it, its
-  // block numbers staged in the same place. Registers are what this loop costs: at 128 a thread the
-  // slab loop has none to spare, so what is needed only between partitions is re-read there (the
-  // CTA's indices by fresh_ctaid, the context length from shared memory) rather than held, and the loads stop at a partition's end (keeping
-  // them in flight into the next, or staging every partition's block numbers at once, spilled).
-  for (int part = part0;; ++part) {
-    const int n = min(PARTITION_SIZE, ld_volatile(&ctx_s) - part * PARTITION_SIZE);
-    const int num_slabs = (n + SLAB - 1) / SLAB;
-    const PartitionRows rows{blocks_s, n, row_stride, kv_off};
-    KSlab kt;
-    VSlab vt;
-    if (warp < num_slabs) {
-      load_k_slab(kt, k_cache, rows, warp * SLAB, grp, tig);
-      load_v_slab(vt, v_cache, rows, warp * SLAB, grp, tig);
-    }
-
-    // Online softmax state for heads 2tig (…0) and 2tig + 1 (…1); o[c][j] is the C fragment of
-    // O^T's rows 64c + 8grp + 2j (+1) and columns (heads) 2tig, 2tig + 1.
-    float m0 = neg_inf(), m1 = neg_inf(), l0 = 0.f, l1 = 0.f;
-    float o[VCH][4][4], o32[2][4], o16[4], o8[4];  // the partial bands' accumulators likewise
+  // Online softmax state for heads 2tig (…0) and 2tig + 1 (…1); o[c][j] is the C fragment of
+  // O^T's rows 64c + 8grp + 2j (+1) and columns (heads) 2tig, 2tig + 1.
+  float m0 = neg_inf(), m1 = neg_inf(), l0 = 0.f, l1 = 0.f;
+  float o[VCH][4][4], o32[2][4], o16[4], o8[4];  // the partial bands' accumulators likewise
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-#pragma unroll
-      for (int c = 0; c < VCH; ++c)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) o[c][j][e] = 0.f;
-      o32[0][e] = o32[1][e] = o16[e] = o8[e] = 0.f;
-    }
-
-    for (int slab = warp; slab < num_slabs; slab += NUM_WARPS) {  // warp-uniform trip count
-      const int t0 = slab * SLAB, next = slab + NUM_WARPS;
-      // S^T[token, head] = K Q^T over the 16 tokens: lane holds tokens grp, grp + 8 x heads 2tig, 2tig + 1.
-      float sc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int c = 0; c < KCH; ++c) {
-        const uint4 qf = lds16(&q_s[grp][4 * c + tig]);  // B fragments of Q^T: head grp, dims 32c + 8tig .. + 8
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          mma_16816(sc, word(kt.c[c][0], 2 * h), word(kt.c[c][1], 2 * h), word(kt.c[c][0], 2 * h + 1),
-                    word(kt.c[c][1], 2 * h + 1), word(qf, 2 * h), word(qf, 2 * h + 1));
-      }
-      const scalar_t *q_row = reinterpret_cast<const scalar_t *>(q_s[grp]);
-      if (K16) {  // dims K16_OFF + 4tig .. + 4: k 2tig, 2tig + 1 (a0) and 2tig + 8, 2tig + 9 (a2)
-        const uint2 qf = lds8(q_row + K16_OFF + 4 * tig);
-        mma_16816(sc, kt.t16[0].x, kt.t16[1].x, kt.t16[0].y, kt.t16[1].y, qf.x, qf.y);
-      }
-      if (K8) {  // dims K8_OFF + 2tig, + 1: k 2tig, 2tig + 1; k 8..15 are zero
-        const unsigned qf = lds4(q_row + K8_OFF + 2 * tig);
-        mma_16816(sc, kt.t8[0], kt.t8[1], 0u, 0u, qf, 0u);
-      }
-      if (next < num_slabs) load_k_slab(kt, k_cache, rows, next * SLAB, grp, tig);  // in flight from here on
-      if (KV_PREFETCH && next + NUM_WARPS < num_slabs) prefetch_slab_l2(k_cache, v_cache, rows, (next + NUM_WARPS) * SLAB, lane);
-
-      // Softmax step, log2 units; tokens past the partition's end get -inf, i.e. p = 0.
-      const bool in0 = t0 + grp < n, in1 = t0 + grp + 8 < n;
-      const float x0 = in0 ? sc[0] * scale_log2 : neg_inf(), x1 = in0 ? sc[1] * scale_log2 : neg_inf();
-      const float x2 = in1 ? sc[2] * scale_log2 : neg_inf(), x3 = in1 ? sc[3] * scale_log2 : neg_inf();
-      float mx0 = fmaxf(x0, x2), mx1 = fmaxf(x1, x3);
-#pragma unroll
-      for (int off = 4; off < PR_WARP; off *= 2) {  // over the 8 token rows (lanes of equal tig)
-        mx0 = fmaxf(mx0, __shfl_xor_sync(PR_FULL_MASK, mx0, off));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(PR_FULL_MASK, mx1, off));
-      }
-      const float new0 = fmaxf(m0, mx0), new1 = fmaxf(m1, mx1);  // finite: the slab has a real token
-      const float corr0 = exp2_approx(m0 - new0), corr1 = exp2_approx(m1 - new1);  // 0 on the first slab
-      m0 = new0;
-      m1 = new1;
-      const float p0 = exp2_approx(x0 - new0), p1 = exp2_approx(x1 - new1);  // token grp
-      const float p2 = exp2_approx(x2 - new0), p3 = exp2_approx(x3 - new1);  // token grp + 8
-      l0 = l0 * corr0 + (p0 + p2);
-      l1 = l1 * corr1 + (p1 + p3);
-      const unsigned p_lo = pack2(p0, p1), p_hi = pack2(p2, p3);  // P in 16 bits for the mma
-      // P^T as the B operand: lane holds head grp x tokens 2tig, 2tig + 1 (+ 8).
-      const unsigned pb0 = transpose_8x8(p_lo, grp, tig), pb1 = transpose_8x8(p_hi, grp, tig);
-
-      // O^T[dim, head] = O^T * corr + V^T P^T.
-#pragma unroll
-      for (int c = 0; c < VCH; ++c)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          mma_pv(o[c][j], word(vt.c[c][0], j), word(vt.c[c][1], j), word(vt.c[c][2], j), word(vt.c[c][3], j), corr0,
-                 corr1, pb0, pb1);
-      if (V32) {
-        mma_pv(o32[0], vt.t32[0].x, vt.t32[1].x, vt.t32[2].x, vt.t32[3].x, corr0, corr1, pb0, pb1);
-        mma_pv(o32[1], vt.t32[0].y, vt.t32[1].y, vt.t32[2].y, vt.t32[3].y, corr0, corr1, pb0, pb1);
-      }
-      if (V16) mma_pv(o16, vt.t16[0], vt.t16[1], vt.t16[2], vt.t16[3], corr0, corr1, pb0, pb1);
-      if (V8) mma_pv(o8, vt.t8[0], vt.t8[1], vt.t8[2], vt.t8[3], corr0, corr1, pb0, pb1);  // high halves 0: rows grp + 8 stay 0
-      if (next < num_slabs) load_v_slab(vt, v_cache, rows, next * SLAB, grp, tig);
-    }
-
-    // The warp's exp-sums: each lane added its own tokens; add over the 8 token rows.
-#pragma unroll
-    for (int off = 4; off < PR_WARP; off *= 2) {
-      l0 += __shfl_xor_sync(PR_FULL_MASK, l0, off);
-      l1 += __shfl_xor_sync(PR_FULL_MASK, l1, off);
-    }
-    const int ctx = ld_volatile(&ctx_s);
-    __syncthreads();  // the previous partition's o_s, m_s and l_s are read
-    if (grp == 0 && h0 < G) m_s[warp][h0] = m0, l_s[warp][h0] = l0;
-    if (grp == 0 && h1 < G) m_s[warp][h1] = m1, l_s[warp][h1] = l1;
+  for (int e = 0; e < 4; ++e) {
 #pragma unroll
     for (int c = 0; c < VCH; ++c)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) store_o(o_s[warp], o[c][j], 64 * c + 8 * grp + 2 * j, true, h0, h1);
-    if (V32) {
-      store_o(o_s[warp], o32[0], V32_OFF + 4 * grp, true, h0, h1);
-      store_o(o_s[warp], o32[1], V32_OFF + 4 * grp + 2, true, h0, h1);
-    }
-    if (V16) store_o(o_s[warp], o16, V16_OFF + 2 * grp, true, h0, h1);
-    if (V8) store_o(o_s[warp], o8, V8_OFF + grp, false, h0, h1);
-    __syncthreads();
-
-    // Merge the warps in warp order (a warp without tokens has max -inf: weight 0), then write the
-    // output itself when the context has one partition, else this partition's share (max in the
-    // natural-log units paged_attention_reduce expects).
-    for (int i = tid; i < G * HEAD_DIM; i += NUM_THREADS) {
-      const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-      float m = m_s[0][g];
-#pragma unroll
-      for (int w = 1; w < NUM_WARPS; ++w) m = fmaxf(m, m_s[w][g]);
-      float l = 0.f, acc = 0.f;
-#pragma unroll
-      for (int w = 0; w < NUM_WARPS; ++w) {
-        const float f = exp2_approx(m_s[w][g] - m);
-        l = fmaf(l_s[w][g], f, l);
-        acc = fmaf(o_s[w][g][d], f, acc);
-      }
-      const long long row = (long long)fresh_ctaid_z() * num_heads + fresh_ctaid_x() * G + g;
-      if (ctx <= PARTITION_SIZE) out[row * HEAD_DIM + d] = from_float(acc / l);
-      else tmp_out[(row * max_parts + part) * HEAD_DIM + d] = acc / l;
-      if (ctx > PARTITION_SIZE && d == 0) {
-        max_logits[row * max_parts + part] = m * LN2;
-        exp_sums[row * max_parts + part] = l;
-      }
-    }
-    if (part == ld_volatile(&last_part_s)) break;
-    // The next partition's block numbers (every warp's slab loop is done).
-    const int *next_bt = block_tables + (long long)fresh_ctaid_z() * max_blocks + (part + 1) * PART_BLOCKS;
-    for (int i = tid; i < PART_BLOCKS && (part + 1) * PART_BLOCKS + i < max_blocks; i += NUM_THREADS)
-      blocks_s[i] = next_bt[i];
-    __syncthreads();
+      for (int j = 0; j < 4; ++j) o[c][j][e] = 0.f;
+    o32[0][e] = o32[1][e] = o16[e] = o8[e] = 0.f;
   }
-  const int num_parts = (ld_volatile(&ctx_s) + PARTITION_SIZE - 1) / PARTITION_SIZE;
-  if (num_parts == 1) return;  // the output is written: no partials
-  const long long row0 = (long long)fresh_ctaid_z() * num_heads + fresh_ctaid_x() * G;
-  if (num_parts <= parts_per_cta) {  // this CTA (part0 = 0) computed all of the sequence's partitions: it merges them
-    __syncthreads();  // every thread's partials (global memory) are visible to the whole CTA
-    merge_partitions(out, tmp_out, max_logits, exp_sums, row0, num_parts, max_parts);
-    return;
+
+  KSlab kt;
+  VSlab vt;
+  if (warp < num_slabs) {
+    load_k_slab(kt, k_cache, rows, warp * SLAB, grp, tig);
+    load_v_slab(vt, v_cache, rows, warp * SLAB, grp, tig);
+  }
+  for (int slab = warp; slab < num_slabs; slab += NUM_WARPS) {  // warp-uniform trip count
+    const int t0 = slab * SLAB, next = slab + NUM_WARPS;
+    // S^T[token, head] = K Q^T over the 16 tokens: lane holds tokens grp, grp + 8 x heads 2tig, 2tig + 1.
+    float sc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int c = 0; c < KCH; ++c) {
+      const uint4 qf = lds16(&q_s[grp][4 * c + tig]);  // B fragments of Q^T: head grp, dims 32c + 8tig .. + 8
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        mma_16816(sc, word(kt.c[c][0], 2 * h), word(kt.c[c][1], 2 * h), word(kt.c[c][0], 2 * h + 1),
+                  word(kt.c[c][1], 2 * h + 1), word(qf, 2 * h), word(qf, 2 * h + 1));
+    }
+    const scalar_t *q_row = reinterpret_cast<const scalar_t *>(q_s[grp]);
+    if (K16) {  // dims K16_OFF + 4tig .. + 4: k 2tig, 2tig + 1 (a0) and 2tig + 8, 2tig + 9 (a2)
+      const uint2 qf = lds8(q_row + K16_OFF + 4 * tig);
+      mma_16816(sc, kt.t16[0].x, kt.t16[1].x, kt.t16[0].y, kt.t16[1].y, qf.x, qf.y);
+    }
+    if (K8) {  // dims K8_OFF + 2tig, + 1: k 2tig, 2tig + 1; k 8..15 are zero
+      const unsigned qf = lds4(q_row + K8_OFF + 2 * tig);
+      mma_16816(sc, kt.t8[0], kt.t8[1], 0u, 0u, qf, 0u);
+    }
+    if (next < num_slabs) load_k_slab(kt, k_cache, rows, next * SLAB, grp, tig);  // in flight from here on
+    if (KV_PREFETCH && next + NUM_WARPS < num_slabs) prefetch_slab_l2(k_cache, v_cache, rows, (next + NUM_WARPS) * SLAB, lane);
+
+    // Softmax step, log2 units; tokens past the partition's end get -inf, i.e. p = 0.
+    const bool in0 = t0 + grp < n, in1 = t0 + grp + 8 < n;
+    const float x0 = in0 ? sc[0] * scale_log2 : neg_inf(), x1 = in0 ? sc[1] * scale_log2 : neg_inf();
+    const float x2 = in1 ? sc[2] * scale_log2 : neg_inf(), x3 = in1 ? sc[3] * scale_log2 : neg_inf();
+    float mx0 = fmaxf(x0, x2), mx1 = fmaxf(x1, x3);
+#pragma unroll
+    for (int off = 4; off < PR_WARP; off *= 2) {  // over the 8 token rows (lanes of equal tig)
+      mx0 = fmaxf(mx0, __shfl_xor_sync(PR_FULL_MASK, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(PR_FULL_MASK, mx1, off));
+    }
+    const float new0 = fmaxf(m0, mx0), new1 = fmaxf(m1, mx1);  // finite: the slab has a real token
+    const float corr0 = exp2_approx(m0 - new0), corr1 = exp2_approx(m1 - new1);  // 0 on the first slab
+    m0 = new0;
+    m1 = new1;
+    const float p0 = exp2_approx(x0 - new0), p1 = exp2_approx(x1 - new1);  // token grp
+    const float p2 = exp2_approx(x2 - new0), p3 = exp2_approx(x3 - new1);  // token grp + 8
+    l0 = l0 * corr0 + (p0 + p2);
+    l1 = l1 * corr1 + (p1 + p3);
+    const unsigned p_lo = pack2(p0, p1), p_hi = pack2(p2, p3);  // P in 16 bits for the mma
+    // P^T as the B operand: lane holds head grp x tokens 2tig, 2tig + 1 (+ 8).
+    const unsigned pb0 = transpose_8x8(p_lo, grp, tig), pb1 = transpose_8x8(p_hi, grp, tig);
+
+    // O^T[dim, head] = O^T * corr + V^T P^T.
+#pragma unroll
+    for (int c = 0; c < VCH; ++c)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        mma_pv(o[c][j], word(vt.c[c][0], j), word(vt.c[c][1], j), word(vt.c[c][2], j), word(vt.c[c][3], j), corr0,
+               corr1, pb0, pb1);
+    if (V32) {
+      mma_pv(o32[0], vt.t32[0].x, vt.t32[1].x, vt.t32[2].x, vt.t32[3].x, corr0, corr1, pb0, pb1);
+      mma_pv(o32[1], vt.t32[0].y, vt.t32[1].y, vt.t32[2].y, vt.t32[3].y, corr0, corr1, pb0, pb1);
+    }
+    if (V16) mma_pv(o16, vt.t16[0], vt.t16[1], vt.t16[2], vt.t16[3], corr0, corr1, pb0, pb1);
+    if (V8) mma_pv(o8, vt.t8[0], vt.t8[1], vt.t8[2], vt.t8[3], corr0, corr1, pb0, pb1);  // high halves 0: rows grp + 8 stay 0
+    if (next < num_slabs) load_v_slab(vt, v_cache, rows, next * SLAB, grp, tig);
+  }
+
+  // The warp's exp-sums: each lane added its own tokens; add over the 8 token rows.
+#pragma unroll
+  for (int off = 4; off < PR_WARP; off *= 2) {
+    l0 += __shfl_xor_sync(PR_FULL_MASK, l0, off);
+    l1 += __shfl_xor_sync(PR_FULL_MASK, l1, off);
+  }
+  const int h0 = 2 * tig, h1 = 2 * tig + 1;
+  if (grp == 0 && h0 < G) m_s[warp][h0] = m0, l_s[warp][h0] = l0;
+  if (grp == 0 && h1 < G) m_s[warp][h1] = m1, l_s[warp][h1] = l1;
+#pragma unroll
+  for (int c = 0; c < VCH; ++c)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) store_o(o_s[warp], o[c][j], 64 * c + 8 * grp + 2 * j, true, h0, h1);
+  if (V32) {
+    store_o(o_s[warp], o32[0], V32_OFF + 4 * grp, true, h0, h1);
+    store_o(o_s[warp], o32[1], V32_OFF + 4 * grp + 2, true, h0, h1);
+  }
+  if (V16) store_o(o_s[warp], o16, V16_OFF + 2 * grp, true, h0, h1);
+  if (V8) store_o(o_s[warp], o8, V8_OFF + grp, false, h0, h1);
+  __syncthreads();
+
+  // Merge the warps in warp order (a warp without tokens has max -inf: weight 0), then write the
+  // output itself when the context has one partition, else this partition's share (max in the
+  // natural-log units paged_attention_reduce expects).
+  for (int i = tid; i < G * HEAD_DIM; i += NUM_THREADS) {
+    const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+    float m = m_s[0][g];
+#pragma unroll
+    for (int w = 1; w < NUM_WARPS; ++w) m = fmaxf(m, m_s[w][g]);
+    float l = 0.f, acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) {
+      const float f = exp2_approx(m_s[w][g] - m);
+      l = fmaf(l_s[w][g], f, l);
+      acc = fmaf(o_s[w][g][d], f, acc);
+    }
+    const long long row = (long long)s * num_heads + head0 + g;
+    if (num_parts == 1) out[row * HEAD_DIM + d] = from_float(acc / l);
+    else tmp_out[(row * max_parts + part) * HEAD_DIM + d] = acc / l;
+    if (num_parts > 1 && d == 0) {
+      max_logits[row * max_parts + part] = m * LN2;
+      exp_sums[row * max_parts + part] = l;
+    }
   }
 #if MERGE_IN_KERNEL
+  if (num_parts == 1) return;  // the output is written: no partials, no counter
   __shared__ int is_last;
   __threadfence();  // this thread's partials are visible device-wide before the ticket below is taken
   __syncthreads();
-  int *counter = merge_counters + (long long)fresh_ctaid_z() * gridDim.x + fresh_ctaid_x();
+  int *counter = merge_counters + (long long)s * gridDim.x + blockIdx.x;
   if (tid == 0) {
-    const int num_ctas = (num_parts + parts_per_cta - 1) / parts_per_cta;  // CTAs of this (sequence, group)
     __threadfence();
-    is_last = atomicAdd(counter, 1) == num_ctas - 1;
-    if (is_last) *counter = 0;  // every CTA has counted: ready for the next launch
-    __threadfence();  // the other CTAs' partials are read after their tickets
+    is_last = atomicAdd(counter, 1) == num_parts - 1;
+    if (is_last) *counter = 0;  // every partition has counted: ready for the next launch
+    __threadfence();  // the other partitions' partials are read after their tickets
   }
   __syncthreads();
-  if (is_last) merge_partitions(out, tmp_out, max_logits, exp_sums, row0, num_parts, max_parts);
+  if (is_last) merge_partitions(out, tmp_out, max_logits, exp_sums, (long long)s * num_heads + head0, num_parts, max_parts);
 #endif
 }
 #endif  // DECODE_MMA
@@ -1076,15 +1022,12 @@ constexpr int DPT_REDUCE = (HEAD_DIM + NUM_THREADS - 1) / NUM_THREADS;  // outpu
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_reduce(
     scalar_t *__restrict__ out, const float *__restrict__ tmp_out, const float *__restrict__ max_logits,
-    const float *__restrict__ exp_sums, const int *__restrict__ context_lens, int num_heads, int max_parts,
-    int merged_parts) {
+    const float *__restrict__ exp_sums, const int *__restrict__ context_lens, int num_heads, int max_parts) {
   __shared__ float w_s[REDUCE_CHUNK];  // a chunk of the partitions' weights
   __shared__ float red[NUM_WARPS];
   const int s = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
   const int num_parts = (context_lens[s] + PARTITION_SIZE - 1) / PARTITION_SIZE;
-  // v2 / v3 wrote a row of one partition directly, and v3 merged those of at most merged_parts (its
-  // parts_per_cta: one CTA computed them all); 1 for v2
-  if (num_parts <= max(1, merged_parts)) return;
+  if (num_parts <= 1) return;  // v2 wrote this row directly
   const long long row = (long long)s * num_heads + h;
   const float *ml = max_logits + row * max_parts;
   const float *es = exp_sums + row * max_parts;

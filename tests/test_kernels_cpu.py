@@ -84,27 +84,6 @@ def test_candidate_tunings_differ_only_in_scheduling_or_stated_arithmetic():
     assert all(t.partition_size % 32 == 0 for t in build.CANDIDATES.values())
 
 
-@pytest.mark.parametrize("num_seqs,groups,max_parts,want", [
-    (64, 8, 4, 4),     # 64 x 4096 tokens, 32 / 8 heads: one CTA per (sequence, group) holds all 4 partitions
-    (8, 8, 32, 4),     # 8 x 32768: 512 CTAs of 4 partitions; 8 would leave 256, under 3 per SM
-    (256, 8, 1, 1),    # one partition: nothing to group
-    (1, 8, 4, 1),      # one sequence of 4096: every partition keeps its own CTA (32 CTAs are few already)
-    (1, 8, 128, 2),    # 1 x 131072: 512 CTAs of 2
-    (16, 8, 2, 1),     # 16 x 2048: 128 CTAs of 2 would be under 3 per SM; 256 of 1 it is
-])
-def test_decode_plan_groups_partitions_only_while_the_gpu_stays_full(num_seqs, groups, max_parts, want):
-    num_sms = 132  # an H200
-    k = splitk.plan_parts_per_cta(num_seqs, groups, max_parts, num_sms)
-    assert k == want, k
-    assert k == 1 or num_seqs * groups * -(-max_parts // k) >= num_sms * splitk.PLANNED_CTAS_PER_SM
-    assert k & (k - 1) == 0 and k <= max(max_parts, 1)
-
-
-def test_decode_plan_rejects_nonsense():
-    with pytest.raises(ValueError, match="positive"):
-        splitk.plan_parts_per_cta(0, 8, 4, 132)
-
-
 @pytest.fixture
 def p():
     return T.make_problem([40, 5, 100], [3, 1, 10], head_dim=16, device="cpu", seed=0)

@@ -10,7 +10,7 @@ import torch
 from pagedref import kernels
 from pagedref.backends import get_backend
 from pagedref.backends.metadata import AttentionMetadata
-from pagedref.kernels import build, gpu_available, splitk
+from pagedref.kernels import build, gpu_available
 from pagedref.kernels import testing as T
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU and cupy")]
@@ -237,60 +237,6 @@ def test_merge_in_kernel_replays_in_a_cuda_graph():
         p.q.copy_(torch.randn(p.q.shape, generator=torch.Generator().manual_seed(seed)).to(p.q))
         graph.replay()
         assert T.same_bits(out, decode(p, tuning=merged(1024, False)))
-
-
-@pytest.mark.parametrize("merge_in_kernel", [False, True])
-@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,block_size,dtype",
-                         [(128, 32, 8, 16, torch.bfloat16), (64, 6, 2, 8, torch.float16), (120, 16, 2, 32, torch.bfloat16)])
-def test_partitions_per_cta_change_no_bit(merge_in_kernel, head_dim, num_heads, num_kv_heads, block_size, dtype):
-    # A CTA that computes several partitions in turn computes each one as a CTA of its own would, and
-    # one that holds all of a sequence's partitions merges them itself with the reduce kernel's
-    # operations in its order: one partition per CTA's bits, for every grouping (3 does not divide the
-    # partition counts), block placement and batch. Each grouping runs first on a problem of its own,
-    # so a merge that read an earlier launch's partials could not pass.
-    P = splitk.MMA_PARTITION_SIZE
-    lens = [1, P, P + 1, 2 * P, 3 * P - 5, 4 * P, 7 * P + 100, 40]
-    for k in (2, 3, 4, 8, None):
-        p = T.make_problem(lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           block_size=block_size, dtype=dtype, seed=100 + (k or 0) + head_dim)
-        tuning = build.MmaTuning(parts_per_cta=k, merge_in_kernel=merge_in_kernel)
-        grouped = decode(p, tuning=tuning, out=torch.full_like(p.q, float("nan")))
-        one_per_cta = decode(p, tuning=build.MmaTuning())
-        check(one_per_cta, p, dtype)
-        assert T.same_bits(grouped, one_per_cta), k
-        assert T.same_bits(decode(p, tuning=tuning), one_per_cta), k  # again: merge counters back at 0
-        assert T.same_bits(decode(T.permute_blocks(p, seed=k or 1), tuning=tuning), one_per_cta), k
-        for seqs in ([5], [3, 0, 6], [7, 2, 1, 4]):
-            assert T.same_bits(decode(T.select(p, seqs), tuning=tuning), one_per_cta[torch.tensor(seqs, device="cuda")])
-
-
-def test_planned_grouping_groups_on_a_big_batch_and_replays_in_a_cuda_graph():
-    # 96 sequences x 8 head groups of 4 partitions plan 4 partitions per CTA on any GPU of at most 256
-    # SMs: one CTA per (sequence, group) merges its own, no reduce launch. Captured once, the launch
-    # replays over new queries and new block placements with the one-partition-per-CTA bits.
-    P = splitk.MMA_PARTITION_SIZE
-    lens = torch.randint(3 * P + 1, 4 * P + 1, (96,), generator=torch.Generator().manual_seed(40)).tolist()
-    p = T.make_problem(lens, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, seed=41)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert splitk.plan_parts_per_cta(96, 8, 4, num_sms) == 4 or num_sms > 256
-    planned = build.MmaTuning(parts_per_cta=None)
-    out = torch.empty_like(p.q)
-
-    def run():
-        decode(p, tuning=planned, out=out, max_context_len=4 * P, check=False)
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for seed in range(3):
-        moved = T.permute_blocks(p, seed=42 + seed)
-        for name in ("k_cache", "v_cache", "block_tables"):
-            getattr(p, name).copy_(getattr(moved, name))
-        p.q.copy_(torch.randn(p.q.shape, generator=torch.Generator().manual_seed(seed)).to(p.q))
-        out.fill_(float("nan"))
-        graph.replay()
-        assert T.same_bits(out, decode(p, tuning=build.MmaTuning()))
 
 
 def metadata(p: T.PagedProblem, slot_mapping: torch.Tensor) -> AttentionMetadata:

@@ -74,9 +74,6 @@ class MmaTuning:
     load_hint: bool = False  # K/V loads skip L1 and ask L2 for whole 256-byte rows
     prefetch: bool = False  # each warp asks L2 for its slab after next (costs ~6 registers: take 3 CTAs per SM)
     merge_in_kernel: bool = False  # the last partition CTA to finish merges (no reduce launch); same bits
-    # partitions one CTA computes in turn (a launch argument, not compiled in); None: planned per launch
-    # from the batch (splitk.plan_parts_per_cta). Same bits whatever the value.
-    parts_per_cta: int | None = 1
 
 
 def decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta: int,
@@ -129,11 +126,6 @@ CANDIDATES: dict[str, DecodeTuning | MmaTuning] = {
     "v3 mma merge in kernel": MmaTuning(merge_in_kernel=True),
     "v3 mma p2048 merge in kernel": MmaTuning(partition_size=2048, merge_in_kernel=True),
     "v3 mma p4096 merge in kernel": MmaTuning(partition_size=4096, merge_in_kernel=True),
-    # several partitions per CTA, planned from the batch (or fixed): the default's bits
-    "v3 mma planned": MmaTuning(parts_per_cta=None),
-    "v3 mma planned merge in kernel": MmaTuning(parts_per_cta=None, merge_in_kernel=True),
-    "v3 mma 2 parts per cta": MmaTuning(parts_per_cta=2),
-    "v3 mma 4 parts per cta": MmaTuning(parts_per_cta=4),
 }
 
 

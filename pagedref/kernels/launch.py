@@ -8,8 +8,7 @@ work around it exactly as a torch op would be.
 Invariant: no launch happens before its arguments passed `validate` (shapes, dtypes, devices,
 contiguity always; the value ranges, one host sync, unless the caller already checked them and
 passes check=False). The decode grid depends on max_context_len only through the number of
-partitions, never the partition size, and on the batch only through how many partitions one CTA
-computes in turn (a schedule), so a sequence's result does not depend on its batch.
+partitions, never the partition size, so a sequence's result does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import torch
 
 from pagedref.kernels import build, validate
 from pagedref.kernels.splitk import (NUM_THREADS, PREFILL_MMA_ROWS, PREFILL_ROWS, heads_per_cta, mma_supported,
-                                     num_partitions, plan_parts_per_cta, prefill_mma_shared_bytes)
+                                     num_partitions, prefill_mma_shared_bytes)
 
 _STATIC_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
@@ -105,26 +104,18 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tmp_out = torch.empty((shape.num_seqs, shape.num_heads, max_parts, shape.head_dim), **f32)
     max_logits = torch.empty((shape.num_seqs, shape.num_heads, max_parts), **f32)
     exp_sums = torch.empty_like(max_logits)
-    groups = shape.num_heads // hpc
-    parts_per_cta = 1  # v2: one CTA per partition
-    extra = ()  # v3 takes parts_per_cta, then its merge counters (null when no CTA merges across CTAs)
+    merge_in_kernel = version == 3 and tuning.merge_in_kernel and max_parts > 1
+    counters = ()  # v3 takes its merge counters last (null when the reduce kernel merges)
     if version == 3:
-        parts_per_cta = tuning.parts_per_cta or plan_parts_per_cta(shape.num_seqs, groups, max_parts,
-                                                                    _num_sms(q.device))
-        if parts_per_cta < 1:
-            raise ValueError(f"parts_per_cta must be positive, got {parts_per_cta}")
-        cross_cta = max_parts > parts_per_cta  # some sequence's partitions span CTAs: they merge after
-        counters = _merge_counters(q.device, shape.num_seqs * groups) if tuning.merge_in_kernel and cross_cta else None
-        extra = (np.int32(parts_per_cta), _ptr(counters) if counters is not None else np.uint64(0))
-    grid_y = -(-max_parts // parts_per_cta)
-    _launch(config, f"paged_attention_v{version}", q.device, (groups, grid_y, shape.num_seqs),
+        counters = (_ptr(_merge_counters(q.device, shape.num_seqs * (shape.num_heads // hpc))) if merge_in_kernel
+                    else np.uint64(0),)
+    _launch(config, f"paged_attention_v{version}", q.device, (shape.num_heads // hpc, max_parts, shape.num_seqs),
             (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(q), *common,
-             np.int32(max_parts), np.float32(scale), *extra))
-    if max_parts > parts_per_cta and not (version == 3 and tuning.merge_in_kernel):
-        # rows of at most parts_per_cta partitions were merged by their CTA (v3); the rest merge here
+             np.int32(max_parts), np.float32(scale), *counters))
+    if max_parts > 1 and not merge_in_kernel:
         _launch(config, "paged_attention_reduce", q.device, (shape.num_seqs, shape.num_heads),
                 (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(context_lens),
-                 np.int32(shape.num_heads), np.int32(max_parts), np.int32(parts_per_cta)))
+                 np.int32(shape.num_heads), np.int32(max_parts)))
     return out
 
 

@@ -3,7 +3,7 @@
 One idea: memcheck and racecheck slow a program down a hundredfold, so they get one launch of each
 kernel on small sizes that still reach every code path (several partitions and a partial one, a
 partial prefill tile, GQA, each dtype, decode v1, v2 and v3 with every candidate tuning (and v3's
-in-kernel merge over more partitions than its shared-memory chunk, and several partitions per CTA), prefill
+in-kernel merge over more partitions than its shared-memory chunk), prefill
 v1, v2 and v3 (v3: wgmma, on sm_90 devices), every block size, every kind of head_dim v3 and prefill v2 take: multiples of 64, and
 80, 96, 112, 120, 192 with their partial pieces and padding, both pool writes) and nothing else.
 
@@ -61,11 +61,6 @@ def check_attention(head_dims: set[int] | None = None, only: str | list[str] | N
     dec = testing.make_problem([1, 1100, 17000], num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16)
     runs += [("decode v3 merge in kernel, p512, 34 partitions", dec,
               lambda p=dec: run_decode(p, version=3, tuning=merge))]
-    # Several partitions per CTA across CTAs: 3 in turn then the reduce kernel, 2 with the ticket merge.
-    for k, in_kernel in ((3, False), (2, True)):
-        grouped = MmaTuning(partition_size=512, parts_per_cta=k, merge_in_kernel=in_kernel)
-        runs += [(f"decode v3 {k} partitions per CTA{', merge in kernel' if in_kernel else ''}, p512, 34 partitions",
-                  dec, lambda p=dec, t=grouped: run_decode(p, version=3, tuning=t))]
     # v3's other shapes: block_size 8 (a 16-token slab spans two blocks), head_dim 64 and 256, 3 and
     # 8 query heads per CTA (empty mma columns; all eight used).
     for dtype, head_dim, block_size, num_heads in ((torch.float16, 64, 8, 6), (torch.bfloat16, 256, 16, 16)):

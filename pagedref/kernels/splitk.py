@@ -45,30 +45,6 @@ def partition_bounds(context_len: int, partition_size: int = PARTITION_SIZE) -> 
             for p in range(num_partitions(context_len, partition_size))]
 
 
-# Decode v3's schedule of partitions onto CTAs (a schedule only: every partition is computed the same
-# way wherever it runs, so the choice never changes a bit). A CTA takes several partitions of its
-# sequence while the launch still has PLANNED_CTAS_PER_SM CTAs for each SM; with 4 CTAs resident per SM
-# (head_dim 128) that keeps most of them busy, and fewer, longer CTAs pay fewer ramp-ups (block numbers,
-# query, first slab) and, when one CTA holds all of a sequence's partitions, no reduce launch.
-PLANNED_CTAS_PER_SM = 3
-
-
-def plan_parts_per_cta(num_seqs: int, num_head_groups: int, max_parts: int, num_sms: int) -> int:
-    """Partitions per decode v3 CTA for one launch: the largest power of two (at most max_parts) that
-    leaves num_seqs * num_head_groups * ceil(max_parts / k) >= num_sms * PLANNED_CTAS_PER_SM CTAs.
-
-    Planned from the batch, as FlashInfer plans its split, yet batch-invariant: partitions are fixed
-    spans, and a CTA computes each one exactly as a CTA of its own would.
-    """
-    if min(num_seqs, num_head_groups, max_parts, num_sms) < 1:
-        raise ValueError("plan_parts_per_cta takes positive counts, got "
-                         f"{(num_seqs, num_head_groups, max_parts, num_sms)}")
-    k = 1
-    while 2 * k <= max_parts and num_seqs * num_head_groups * -(-max_parts // (2 * k)) >= num_sms * PLANNED_CTAS_PER_SM:
-        k *= 2
-    return k
-
-
 def heads_per_cta(num_heads: int, num_kv_heads: int) -> int:
     """Query heads one decode CTA serves: the largest divisor of the GQA group size up to 8.
 
