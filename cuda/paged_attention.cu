@@ -731,6 +731,12 @@ __device__ __forceinline__ void store_o(float (*o_s)[HEAD_DIM], const float (&o)
 //   p4096, merged in kernel     4405 (101.6%)  4339 (105.7%)  4318 (100.0%)  2987 (116.8%)  4099 (110.1%)  3996 (99.9%)
 // the only tuning at or above FlashInfer at every shape but (1, 131072); the default keeps 1024-token
 // partitions, which serve small batches with more CTAs (docs/benchmarks.md).
+// At 1-8 sequences of 4096 tokens it runs at a third of the default's speed (2026-12-01 21:25 UTC,
+// docs/results/kernel-2026-12-01-s6-small-batches.json). Tried next, and reverted: a CTA that computes
+// several of its sequence's partitions in turn (k planned from the batch, the same bits) and merges
+// them itself. The loop around a partition needed registers that the slab loop at 128 a thread does not
+// have; kept spill-free, it took a barrier and shared-memory reads per partition and lost 2-6% even at
+// one partition per CTA, which grouping only partly won back (64 x 4096: 4080 GB/s, the default 4142).
 constexpr int MERGE_CHUNK = PR_WARP;  // partitions whose weights pass through shared memory at a time
 constexpr int MERGE_PER_THREAD = (G * HEAD_DIM + NUM_THREADS - 1) / NUM_THREADS;  // output elements per thread
 // Partitions whose partial outputs a thread has in flight at once (MERGE_PER_THREAD loads each):

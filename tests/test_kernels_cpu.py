@@ -263,6 +263,16 @@ def test_bench_dispatch():
     assert main([]) == 2 and main(["nope"]) == 2
     if not torch.cuda.is_available():
         assert main(["kernel"]) == 1
+        assert main(["gemm"]) == 1
+
+
+def test_bench_gemm_times_each_projection_of_the_model_shape():
+    from pagedref.bench.gemm import projection_shapes
+
+    # Llama-3.1-8B: 32 query and 8 KV heads of 128, hidden 4096, intermediate 14336
+    assert projection_shapes("llama-3.1-8b") == {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+                                                 "down": (14336, 4096)}
+    assert projection_shapes("llama-3.2-1b")["qkv"] == (2048, 3072)
 
 
 def test_bench_kernel_peers_argument(monkeypatch, capsys):

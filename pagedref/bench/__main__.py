@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("kernel", "memory", "serve", "latency", "step", "profile", "online", "spec")
+BENCHMARKS = ("kernel", "memory", "serve", "latency", "step", "profile", "online", "spec", "gemm")
 
 
 def main(argv: list[str]) -> int:

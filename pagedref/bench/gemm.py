@@ -1,0 +1,127 @@
+"""The decode step's weight matmuls as the libraries run them: cuBLAS as torch picks it, cuBLASLt, TunableOp.
+
+One idea: a serving step at a few hundred sequences is bound by its weight GEMMs (docs/benchmarks.md,
+"Where a decode step's time goes"), and torch hands them to cuBLAS. Before a GEMM of our own, measure
+what the libraries already offer: each projection of a model shape at M = the step's rows, timed in a
+CUDA graph in each mode. TunableOp (torch.cuda.tunable) first tunes every shape eagerly over the
+candidates cuBLASLt offers, then the tuned choice is captured like the others.
+
+Invariant: every mode times the same tensors and the same call (torch.matmul(x, w.t()), the layout of
+nn.Linear's y = x W^T); only the library's choice of kernel differs.
+
+    python -m pagedref.bench gemm --model-shape llama-3.1-8b --rows 128 256 512 --json gemm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+
+from pagedref.bench.common import SHAPES, environment
+
+MODES = ("default", "cublaslt", "tunable")
+
+
+def projection_shapes(model_shape: str) -> dict[str, tuple[int, int]]:
+    """(K, N) of each of a layer's weight matmuls: the merged q/k/v and gate/up projections, o, down."""
+    cfg = SHAPES[model_shape]
+    hidden, inter, head_dim = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    return {"qkv": (hidden, q + 2 * kv), "o": (q, hidden), "gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
+
+
+def graphed_us(fn, reps: int) -> float:
+    """Median µs of one call of fn, from 7 replays of a graph of `reps` calls."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def set_mode(mode: str, results_file: str) -> None:
+    import torch
+
+    torch.backends.cuda.preferred_blas_library("cublaslt" if mode == "cublaslt" else "cublas")
+    tunable = torch.cuda.tunable
+    tunable.enable(mode == "tunable")
+    tunable.tuning_enable(mode == "tunable")
+    if mode == "tunable":
+        tunable.set_filename(results_file)
+
+
+def bench_mode(mode: str, shapes: dict[str, tuple[int, int]], rows: list[int], reps: int) -> dict[str, float]:
+    import torch
+
+    set_mode(mode, tempfile.mktemp(suffix=".csv", prefix="pagedref-tunableop-"))
+    out = {}
+    for m in rows:
+        for name, (k, n) in shapes.items():
+            gen = torch.Generator(device="cuda").manual_seed(m + k + n)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            torch.matmul(x, w.t(), out=y)  # TunableOp tunes here, eagerly, never inside the capture
+            torch.cuda.synchronize()
+            out[f"{name}@{m}"] = graphed_us(lambda: torch.matmul(x, w.t(), out=y), reps)
+    set_mode("default", "")
+    return out
+
+
+def print_report(res: dict) -> None:
+    shapes, layers = res["shapes"], res["num_layers"]
+    print(f"{res['model_shape']} weight matmuls, bf16, graphed; µs (TFLOP/s); {'/'.join(res['modes'])}")
+    for m in res["rows"]:
+        cells = []
+        for name, (k, n) in shapes.items():
+            us = [res["us"][mode][f"{name}@{m}"] for mode in res["modes"]]
+            cells.append(f"{name} " + " / ".join(f"{u:.1f} ({2 * m * k * n / u / 1e6:.0f})" for u in us))
+        step = [sum(res["us"][mode][f"{name}@{m}"] for name in shapes) * layers / 1e3 for mode in res["modes"]]
+        print(f"  M={m:4d}: " + " | ".join(cells) + " | x" + f"{layers} layers: " + " / ".join(f"{s:.2f} ms" for s in step))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pagedref.bench gemm", description=__doc__.split("\n")[0])
+    ap.add_argument("--model-shape", choices=sorted(SHAPES), default="llama-3.1-8b")
+    ap.add_argument("--rows", nargs="+", type=int, default=[128, 256, 512], help="M: the step's token rows")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--reps", type=int, default=50, help="matmuls per graph replay")
+    ap.add_argument("--json", help="also write the results as JSON to this path")
+    args = ap.parse_args(argv)
+    if min(args.rows) < 1 or args.reps < 1:
+        ap.error("--rows and --reps must be positive")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("the GEMM benchmark needs a CUDA GPU", file=sys.stderr)
+        return 1
+    shapes = projection_shapes(args.model_shape)
+    res = {"command": "python -m pagedref.bench gemm " + " ".join(argv or []), **environment("cuda"),
+           "model_shape": args.model_shape, "num_layers": SHAPES[args.model_shape]["num_hidden_layers"],
+           "shapes": shapes, "rows": args.rows, "modes": args.modes,
+           "us": {mode: bench_mode(mode, shapes, args.rows, args.reps) for mode in args.modes}}
+    print_report(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
