@@ -275,6 +275,17 @@ def test_bench_gemm_times_each_projection_of_the_model_shape():
     assert projection_shapes("llama-3.2-1b")["qkv"] == (2048, 3072)
 
 
+def test_bench_gemm_extra_shapes_parse_or_name_the_problem():
+    import argparse
+
+    from pagedref.bench.gemm import extra_shape
+
+    assert extra_shape("4096x16896") == (4096, 16896)
+    for bad in ("4096", "4096x", "0x8", "axb"):
+        with pytest.raises(argparse.ArgumentTypeError, match="KxN|positive"):
+            extra_shape(bad)
+
+
 def test_bench_kernel_peers_argument(monkeypatch, capsys):
     # --peers names known libraries only (argparse refuses others); a peer that does not import is a
     # note on stderr and no rows, never a crash; one that imports is handed to the benchmark.

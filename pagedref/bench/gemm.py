@@ -10,6 +10,10 @@ Invariant: every mode times the same tensors and the same call (torch.matmul(x, 
 nn.Linear's y = x W^T); only the library's choice of kernel differs.
 
     python -m pagedref.bench gemm --model-shape llama-3.1-8b --rows 128 256 512 --json gemm.json
+    python -m pagedref.bench gemm --rows 256 --modes default --extra 4096x16896 4096x33792   # wave quantization
+
+--extra KxN adds shapes beside the model's: a library kernel's tiles fill whole waves of the SMs at some
+N and not at others, and the TFLOP/s at N that do is what a GEMM of the model's own N could reach.
 """
 
 from __future__ import annotations
@@ -30,6 +34,17 @@ def projection_shapes(model_shape: str) -> dict[str, tuple[int, int]]:
     hidden, inter, head_dim = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
     return {"qkv": (hidden, q + 2 * kv), "o": (q, hidden), "gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
+
+
+def extra_shape(text: str) -> tuple[int, int]:
+    """'KxN' -> (K, N), both positive."""
+    try:
+        k, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected KxN, e.g. 4096x16896, got {text!r}") from None
+    if k < 1 or n < 1:
+        raise argparse.ArgumentTypeError(f"K and N must be positive, got {text!r}")
+    return k, n
 
 
 def graphed_us(fn, reps: int) -> float:
@@ -102,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", nargs="+", type=int, default=[128, 256, 512], help="M: the step's token rows")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--reps", type=int, default=50, help="matmuls per graph replay")
+    ap.add_argument("--extra", nargs="+", type=extra_shape, default=[], metavar="KxN",
+                    help="more (K, N) weight shapes to time beside the model's projections")
     ap.add_argument("--json", help="also write the results as JSON to this path")
     args = ap.parse_args(argv)
     if min(args.rows) < 1 or args.reps < 1:
@@ -111,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("the GEMM benchmark needs a CUDA GPU", file=sys.stderr)
         return 1
-    shapes = projection_shapes(args.model_shape)
+    shapes = projection_shapes(args.model_shape) | {f"{k}x{n}": (k, n) for k, n in args.extra}
     res = {"command": "python -m pagedref.bench gemm " + " ".join(argv or []), **environment("cuda"),
            "model_shape": args.model_shape, "num_layers": SHAPES[args.model_shape]["num_hidden_layers"],
            "shapes": shapes, "rows": args.rows, "modes": args.modes,
