@@ -275,6 +275,16 @@ def test_bench_gemm_times_each_projection_of_the_model_shape():
     assert projection_shapes("llama-3.2-1b")["qkv"] == (2048, 3072)
 
 
+def test_bench_gemm_report_sums_a_step_over_the_models_projections_only(capsys):
+    from pagedref.bench.gemm import PROJECTIONS, print_report, projection_shapes
+
+    shapes = projection_shapes("llama-3.1-8b") | {"4096x16896": (4096, 16896)}
+    us = {f"{name}@256": 10.0 for name in shapes}  # 10 us each; the extra shape must not count
+    print_report({"model_shape": "llama-3.1-8b", "num_layers": 32, "shapes": shapes, "rows": [256],
+                  "modes": ["default"], "us": {"default": us}})
+    assert f"{len(PROJECTIONS) * 10 * 32 / 1e3:.2f} ms" in capsys.readouterr().out  # 1.28 ms, not 1.60
+
+
 def test_bench_gemm_extra_shapes_parse_or_name_the_problem():
     import argparse
 

@@ -26,6 +26,7 @@ import tempfile
 from pagedref.bench.common import SHAPES, environment
 
 MODES = ("default", "cublaslt", "tunable")
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's weight matmuls, in projection_shapes
 
 
 def projection_shapes(model_shape: str) -> dict[str, tuple[int, int]]:
@@ -107,7 +108,8 @@ def print_report(res: dict) -> None:
         for name, (k, n) in shapes.items():
             us = [res["us"][mode][f"{name}@{m}"] for mode in res["modes"]]
             cells.append(f"{name} " + " / ".join(f"{u:.1f} ({2 * m * k * n / u / 1e6:.0f})" for u in us))
-        step = [sum(res["us"][mode][f"{name}@{m}"] for name in shapes) * layers / 1e3 for mode in res["modes"]]
+        layer = [name for name in shapes if name in PROJECTIONS]  # the --extra shapes are not the model's
+        step = [sum(res["us"][mode][f"{name}@{m}"] for name in layer) * layers / 1e3 for mode in res["modes"]]
         print(f"  M={m:4d}: " + " | ".join(cells) + " | x" + f"{layers} layers: " + " / ".join(f"{s:.2f} ms" for s in step))
 
 
