@@ -292,7 +292,7 @@ def test_bench_gemm_extra_shapes_parse_or_name_the_problem():
 
     assert extra_shape("4096x16896") == (4096, 16896)
     for bad in ("4096", "4096x", "0x8", "axb"):
-        with pytest.raises(argparse.ArgumentTypeError, match="KxN|positive"):
+        with pytest.raises(argparse.ArgumentTypeError, match="KxN"):
             extra_shape(bad)
 
 
@@ -311,7 +311,7 @@ def test_bench_kernel_peers_argument(monkeypatch, capsys):
     assert exit_info.value.code == 2 and "unknown candidate(s) ['v9']" in capsys.readouterr().err
     assert kernel.decode_shape("8x4096") == (8, 4096) and kernel.decode_shape("1X131072") == (1, 131072)
     bad_shapes = {"8": "SEQUENCESxCONTEXT", "8x": "SEQUENCESxCONTEXT", "8x4096x2": "SEQUENCESxCONTEXT",
-                  "eightx4096": "SEQUENCESxCONTEXT", "0x4096": "needs >= 1 sequence", "8x0": "needs >= 1 sequence"}
+                  "eightx4096": "SEQUENCESxCONTEXT", "0x4096": "must be >= 1", "8x0": "must be >= 1"}
     for bad, why in bad_shapes.items():
         with pytest.raises(SystemExit) as exit_info:
             kernel.main(["--decode-shapes", bad])

@@ -134,6 +134,17 @@ def free_device(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def size_pair(text: str, form: str, example: str) -> tuple[int, int]:
+    """'AxB' -> (A, B), both >= 1: an argparse type for a pair of sizes, e.g. form "KxN", example "4096x16896"."""
+    try:
+        a, b = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {form}, e.g. {example}; got {text!r}") from None
+    if a < 1 or b < 1:
+        raise argparse.ArgumentTypeError(f"both sizes of {form} must be >= 1; got {text!r}")
+    return a, b
+
+
 def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
     """Each named flag that is set (not None) is at least 1, or its usage error names the flag."""
     for name in names:

@@ -23,7 +23,7 @@ import json
 import sys
 import tempfile
 
-from pagedref.bench.common import SHAPES, environment
+from pagedref.bench.common import SHAPES, environment, size_pair
 
 MODES = ("default", "cublaslt", "tunable")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's weight matmuls, in projection_shapes
@@ -38,14 +38,8 @@ def projection_shapes(model_shape: str) -> dict[str, tuple[int, int]]:
 
 
 def extra_shape(text: str) -> tuple[int, int]:
-    """'KxN' -> (K, N), both positive."""
-    try:
-        k, n = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected KxN, e.g. 4096x16896, got {text!r}") from None
-    if k < 1 or n < 1:
-        raise argparse.ArgumentTypeError(f"K and N must be positive, got {text!r}")
-    return k, n
+    """'4096x16896' -> (4096, 16896): an --extra entry (K x N of a weight)."""
+    return size_pair(text, "KxN", "4096x16896")
 
 
 def graphed_us(fn, reps: int) -> float:

@@ -34,6 +34,8 @@ import warnings
 
 import torch
 
+from pagedref.bench.common import size_pair
+
 DECODE_SHAPES = ((64, 4096), (256, 1024), (8, 32768), (32, 512), (256, 512), (1, 131072))  # (batch, context)
 
 # (batch, query rows, context): whole causal prompts, and a chunk of 2048 rows after 6144 cached tokens
@@ -48,13 +50,7 @@ PEER_WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
 
 def decode_shape(text: str) -> tuple[int, int]:
     """'8x4096' -> (8, 4096): a --decode-shapes entry (sequences x context tokens)."""
-    try:
-        batch, context = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a decode shape is SEQUENCESxCONTEXT, e.g. 8x4096; got {text!r}") from None
-    if batch < 1 or context < 1:
-        raise argparse.ArgumentTypeError(f"a decode shape needs >= 1 sequence and >= 1 token; got {text!r}")
-    return batch, context
+    return size_pair(text, "SEQUENCESxCONTEXT", "8x4096")
 
 
 def prepare(fns, warmup: int = 5, graph: bool = True) -> tuple[list, bool]:
