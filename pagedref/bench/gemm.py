@@ -3,8 +3,9 @@
 One idea: a serving step at a few hundred sequences is bound by its weight GEMMs (docs/benchmarks.md,
 "Where a decode step's time goes"), and torch hands them to cuBLAS. Before a GEMM of our own, measure
 what the libraries already offer: each projection of a model shape at M = the step's rows, timed in a
-CUDA graph in each mode. TunableOp (torch.cuda.tunable) first tunes every shape eagerly over the
-candidates cuBLASLt offers, then the tuned choice is captured like the others.
+CUDA graph in each mode, with bench kernel's timing (time_ms: enough buffer sets that the weights
+do not stay in L2). TunableOp (torch.cuda.tunable) tunes every shape in the eager warm-up, over the
+candidates cuBLASLt offers, and the tuned choice is captured like the others.
 
 Invariant: every mode times the same tensors and the same call (torch.matmul(x, w.t()), the layout of
 nn.Linear's y = x W^T); only the library's choice of kernel differs.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 
@@ -42,67 +44,47 @@ def extra_shape(text: str) -> tuple[int, int]:
     return size_pair(text, "KxN", "4096x16896")
 
 
-def graphed_us(fn, reps: int) -> float:
-    """Median µs of one call of fn, from 7 replays of a graph of `reps` calls."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
-
-
-def set_mode(mode: str, results_file: str) -> None:
+def set_mode(mode: str) -> None:
     import torch
 
     torch.backends.cuda.preferred_blas_library("cublaslt" if mode == "cublaslt" else "cublas")
     tunable = torch.cuda.tunable
     tunable.enable(mode == "tunable")
     tunable.tuning_enable(mode == "tunable")
-    if mode == "tunable":
-        tunable.set_filename(results_file)
+    if mode == "tunable":  # a fresh results file: tune now, never read an earlier run's choices
+        tunable.write_file_on_exit(False)
+        tunable.set_filename(os.path.join(tempfile.mkdtemp(prefix="pagedref-tunableop-"), "results.csv"))
 
 
 def bench_mode(mode: str, shapes: dict[str, tuple[int, int]], rows: list[int], reps: int) -> dict[str, float]:
     import torch
 
-    set_mode(mode, tempfile.mktemp(suffix=".csv", prefix="pagedref-tunableop-"))
+    from pagedref.bench.kernel import num_sets, time_ms
+
+    set_mode(mode)
     out = {}
     for m in rows:
         for name, (k, n) in shapes.items():
             gen = torch.Generator(device="cuda").manual_seed(m + k + n)
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-            y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            torch.matmul(x, w.t(), out=y)  # TunableOp tunes here, eagerly, never inside the capture
-            torch.cuda.synchronize()
-            out[f"{name}@{m}"] = graphed_us(lambda: torch.matmul(x, w.t(), out=y), reps)
-    set_mode("default", "")
+            sets = [(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen),  # x
+                     torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen),  # w
+                     torch.empty(m, n, device="cuda", dtype=torch.bfloat16))  # y
+                    for _ in range(num_sets(2 * (m * k + n * k + m * n)))]
+            ms, _ = time_ms([lambda x=x, w=w, y=y: torch.matmul(x, w.t(), out=y) for x, w, y in sets], reps)
+            out[f"{name}@{m}"] = ms * 1e3
+    set_mode("default")
     return out
 
 
 def print_report(res: dict) -> None:
     shapes, layers = res["shapes"], res["num_layers"]
+    layer = [name for name in shapes if name in PROJECTIONS]  # the --extra shapes are not the model's
     print(f"{res['model_shape']} weight matmuls, bf16, graphed; µs (TFLOP/s); {'/'.join(res['modes'])}")
     for m in res["rows"]:
         cells = []
         for name, (k, n) in shapes.items():
             us = [res["us"][mode][f"{name}@{m}"] for mode in res["modes"]]
             cells.append(f"{name} " + " / ".join(f"{u:.1f} ({2 * m * k * n / u / 1e6:.0f})" for u in us))
-        layer = [name for name in shapes if name in PROJECTIONS]  # the --extra shapes are not the model's
         step = [sum(res["us"][mode][f"{name}@{m}"] for name in layer) * layers / 1e3 for mode in res["modes"]]
         print(f"  M={m:4d}: " + " | ".join(cells) + " | x" + f"{layers} layers: " + " / ".join(f"{s:.2f} ms" for s in step))
 
@@ -112,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     ap.add_argument("--rows", nargs="+", type=int, default=[128, 256, 512], help="M: the step's token rows")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    ap.add_argument("--reps", type=int, default=50, help="matmuls per graph replay")
+    ap.add_argument("--reps", type=int, default=50, help="timed calls per shape (median reported)")
     ap.add_argument("--extra", nargs="+", type=extra_shape, default=[], metavar="KxN",
                     help="more (K, N) weight shapes to time beside the model's projections")
     ap.add_argument("--json", help="also write the results as JSON to this path")
