@@ -52,7 +52,6 @@ def set_mode(mode: str) -> None:
     tunable.enable(mode == "tunable")
     tunable.tuning_enable(mode == "tunable")
     if mode == "tunable":  # a fresh results file: tune now, never read an earlier run's choices
-        tunable.write_file_on_exit(False)
         tunable.set_filename(os.path.join(tempfile.mkdtemp(prefix="pagedref-tunableop-"), "results.csv"))
 
 
