@@ -71,7 +71,9 @@ def test_step6_a_batch_dependent_partition_size_would_change_the_bits():
     # its neighbours. A fixed size makes its arithmetic a function of the sequence alone.
     q, k, v, scale = random_row(1800, seed=3)
     sk = splitk()
-    assert not np.array_equal(sk.split_k_attend_row(q, k, v, scale, 256), sk.split_k_attend_row(q, k, v, scale, 512))
+    assert not np.array_equal(sk.split_k_attend_row(q, k, v, scale, 256), sk.split_k_attend_row(q, k, v, scale, 512)), (
+        "stage 5: a sequence's split is the fixed partition size, never one chosen per call or per batch "
+        "(256- and 512-token partitions gave the same bits: split_k_attend_row did not cut at the size it was given)")
     assert np.array_equal(sk.split_k_attend_row(q, k, v, scale, 512), sk.split_k_attend_row(q, k, v, scale, 512))
 
 
