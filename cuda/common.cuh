@@ -65,11 +65,6 @@ __device__ __forceinline__ float group_max(float x) {
     (defined(PREFILL_WGMMA) && PREFILL_WGMMA)
 constexpr float LOG2E = 1.4426950408889634f;
 
-#if PR_DTYPE == 2
-#define PR_MMA_T "bf16"
-#else
-#define PR_MMA_T "f16"
-#endif
 
 // d += A B: A 16x16 row-major, B 16x8 column-major, 16-bit inputs, fp32 accumulators (PTX ISA:
 // mma.sync.aligned.m16n8k16; fragment layouts in paged_prefill.cu's v2 section).
@@ -79,16 +74,6 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// A shared-memory address as the 32-bit operand of PTX's .shared instructions.
-__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-// Two floats -> one word of two 16-bit values (lo in the low half), round to nearest even.
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn." PR_MMA_T "x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
 }
 
 __device__ __forceinline__ float exp2_approx(float x) {  // 2^x; 2^-inf = +0

@@ -4,8 +4,9 @@
 // (fp32, fp16, bf16). Everything is accumulated in fp32; the element is only a storage format.
 // fp16/bf16 are stored as raw 16-bit words and converted with single PTX instructions (cvt.*), so the
 // kernels include no system header: the same source compiles under nvcc (CI) and NVRTC (CuPy).
-// Shared by the attention kernels (through common.cuh) and the small fused ops (fused_ops.cu), which
-// take their sizes at run time and so do not include common.cuh.
+// Shared by the attention kernels (through common.cuh), the small fused ops (fused_ops.cu) and the weight
+// GEMM (gemm_hopper.cu), which take their sizes at run time and so do not include common.cuh. Last, two
+// helpers every tensor-core kernel uses: smem_u32 and (16-bit types) pack2.
 #pragma once
 
 #ifndef PR_DTYPE
@@ -47,3 +48,22 @@ __device__ __forceinline__ scalar_t from_float(float f) {
   return h;
 #endif
 }
+
+// A shared-memory address as the 32-bit operand of PTX's .shared instructions.
+__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+#if PR_DTYPE == 1 || PR_DTYPE == 2
+// scalar_t's name in PTX's tensor-core and conversion instructions.
+#if PR_DTYPE == 2
+#define PR_MMA_T "bf16"
+#else
+#define PR_MMA_T "f16"
+#endif
+
+// Two floats -> one word of two 16-bit values (lo in the low half), round to nearest even.
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn." PR_MMA_T "x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+#endif

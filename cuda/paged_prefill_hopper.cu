@@ -80,6 +80,7 @@
 // V3_PERSISTENT, V3_RCP_EPILOGUE, V3_BT_SHFL, V3_PRODUCER_REGS.
 #define PREFILL_WGMMA 1
 #include "common.cuh"
+#include "hopper.cuh"
 
 #ifndef KV_STAGES
 #define KV_STAGES 3  // build.prefill_v3_stages: 3 at HEAD_DIM 128 (227 KB of shared memory), 4 at 64
@@ -120,13 +121,6 @@ __device__ __forceinline__ unsigned swz(int rows, int r, int c) {
   return (unsigned)((c / 8) * rows * 128 + r * 128 + (((c % 8) ^ (r % 8)) << 4));
 }
 
-// wgmma shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format"): start address, leading
-// and stride byte offsets (all >> 4), 128-byte swizzle (layout type 1 in bits 62-63).
-__device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr, unsigned lbo, unsigned sbo) {
-  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
-         ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
-}
-
 __device__ __forceinline__ void cp_async16_zfill(unsigned dst, const scalar_t *src, int bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
@@ -135,47 +129,11 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const scalar_t *src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
 
-__device__ __forceinline__ void mbar_init(unsigned bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
 // Arrive on `bar` when this thread's cp.asyncs so far have landed (counts as one expected arrival).
 __device__ __forceinline__ void mbar_arrive_on_copies(unsigned bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-// Wait until the phase of `bar` with this parity has completed.
-__device__ __forceinline__ void mbar_wait(unsigned bar, int parity) {
-  unsigned done = 0;
-  while (!done)
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-                 "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_but_one() {  // every committed group but the newest is done
-  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-}
-
-// Keep the compiler from moving accumulator reads or writes across a wgmma boundary.
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// wgmma's operand lists, written once: the accumulator registers D (32 for N = 64, 64 for N = 128) as
-// asm operands "+f"(d[i]), and their names %0 .. %N-1 in the instruction text.
-#define PR_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
-#define PR_ACC16(i) PR_ACC4(i), PR_ACC4(i + 4), PR_ACC4(i + 8), PR_ACC4(i + 12)
-#define PR_ACC32 PR_ACC16(0), PR_ACC16(16)
-#define PR_ACC64 PR_ACC32, PR_ACC16(32), PR_ACC16(48)
 #define PR_REGS32                                                                                       \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20,"       \
   "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
@@ -184,13 +142,6 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
   "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39,"       \
   "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58,"       \
   "%59, %60, %61, %62, %63"
-// One wgmma: SHAPE, the accumulators' names REGS, the operand number PRED of `accumulate` (p = it is
-// non-zero: D += A B, else D = A B), then OPERANDS: A's and B's (descriptors, or A's 4 registers), p,
-// scale-a = scale-b = 1, and the transpose bits (_ss: 0, 0, both K-major; _rs: B's only, 1: MN-major V).
-#define PR_WGMMA(SHAPE, REGS, PRED, OPERANDS)                                                           \
-  "{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n"                                                      \
-  "wgmma.mma_async.sync.aligned." SHAPE ".f32." PR_MMA_T "." PR_MMA_T " {" REGS "}, " OPERANDS ";\n}\n"
-
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B by descriptor (K-major both); accumulate = 0: D = A B.
 __device__ __forceinline__ void wgmma_ss(float (&d)[32], unsigned long long a, unsigned long long b,
                                          int accumulate) {

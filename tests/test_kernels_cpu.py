@@ -283,6 +283,14 @@ def test_bench_gemm_report_sums_a_step_over_the_models_projections_only(capsys):
     print_report({"model_shape": "llama-3.1-8b", "num_layers": 32, "shapes": shapes, "rows": [256],
                   "modes": ["default"], "us": {"default": us}})
     assert f"{len(PROJECTIONS) * 10 * 32 / 1e3:.2f} ms" in capsys.readouterr().out  # 1.28 ms, not 1.60
+    # With SwiGLU's fused row the step is also summed with it in place of gate_up (and the sweep's rows listed).
+    shapes["gate_up_silu"] = shapes["gate_up"]
+    us = {f"{name}@256": 10.0 for name in shapes} | {"gate_up_silu@256": 20.0}
+    sweep = {**us, "qkv@256:96x1": 12.5}
+    print_report({"model_shape": "llama-3.1-8b", "num_layers": 32, "shapes": shapes, "rows": [256],
+                  "modes": ["default", "pagedref"], "us": {"default": us, "pagedref": sweep}})
+    out = capsys.readouterr().out
+    assert "qkv + o + gate_up_silu + down: 1.60 ms / 1.60 ms" in out and "pagedref qkv@256:96x1: 12.5 µs" in out
 
 
 def test_bench_gemm_extra_shapes_parse_or_name_the_problem():

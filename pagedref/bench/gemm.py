@@ -1,4 +1,4 @@
-"""The decode step's weight matmuls as the libraries run them: cuBLAS as torch picks it, cuBLASLt, TunableOp.
+"""The decode step's weight matmuls: cuBLAS as torch picks it, cuBLASLt, TunableOp, and pagedref's own.
 
 One idea: a serving step at a few hundred sequences is bound by its weight GEMMs (docs/benchmarks.md,
 "Where a decode step's time goes"), and torch hands them to cuBLAS. Before a GEMM of our own, measure
@@ -7,11 +7,17 @@ CUDA graph in each mode, with bench kernel's timing (time_ms: enough buffer sets
 do not stay in L2). TunableOp (torch.cuda.tunable) tunes every shape in the eager warm-up, over the
 candidates cuBLASLt offers, and the tuned choice is captured like the others.
 
-Invariant: every mode times the same tensors and the same call (torch.matmul(x, w.t()), the layout of
-nn.Linear's y = x W^T); only the library's choice of kernel differs.
+The pagedref mode times the project's Hopper GEMM (`pagedref.kernels.gemm`, sm_90 only) with each
+weight's own tile, and `--tiles` times other tilings beside it. The row `gate_up_silu` is SwiGLU's first
+half: the GEMM then `fused.silu_and_mul` in the library modes, one kernel (`gemm.silu_mul_linear`) in
+pagedref's; the step sums the layer with it in place of gate_up.
+
+Invariant: every mode times the same tensors and the same product (y = x W^T, nn.Linear's layout);
+only the kernel differs.
 
     python -m pagedref.bench gemm --model-shape llama-3.1-8b --rows 128 256 512 --json gemm.json
     python -m pagedref.bench gemm --rows 256 --modes default --extra 4096x16896 4096x33792   # wave quantization
+    python -m pagedref.bench gemm --rows 256 --modes default pagedref --tiles 128x1 224x1 256x2   # tilings side by side
 
 --extra KxN adds shapes beside the model's: a library kernel's tiles fill whole waves of the SMs at some
 N and not at others, and the TFLOP/s at N that do is what a GEMM of the model's own N could reach.
@@ -22,13 +28,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 
 from pagedref.bench.common import SHAPES, environment, size_pair
 
-MODES = ("default", "cublaslt", "tunable")
+MODES = ("default", "cublaslt", "tunable", "pagedref")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's weight matmuls, in projection_shapes
+FUSED_LAYER = ("qkv", "o", "gate_up_silu", "down")  # the same with silu(gate) * up after (or in) gate/up
 
 
 def projection_shapes(model_shape: str) -> dict[str, tuple[int, int]]:
@@ -44,6 +52,30 @@ def extra_shape(text: str) -> tuple[int, int]:
     return size_pair(text, "KxN", "4096x16896")
 
 
+def tile_arg(text: str):
+    """'224x1' -> GemmTile(224, 1): a --tiles entry, tile width x splits of K, then optionally sN for an
+    N-stage ring (default: the deepest that fits) and c1 for no clusters ('96x1s6c1': each CTA copies its
+    own B tile through 6 stages)."""
+    from pagedref.kernels.build import GemmTile
+
+    m = re.fullmatch(r"(\d+x\d+)(?:s(\d+))?(c1)?", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected BNxSPLITS[sSTAGES][c1], e.g. 224x1 or 96x1s8, got {text!r}")
+    bn, splits = size_pair(m[1], "BNxSPLITS", "224x1")
+    try:
+        return GemmTile(bn, splits, int(m[2]) if m[2] else None, 1 if m[3] else 2)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def tile_label(t) -> str:
+    """GemmTile(96, 1, 6, 1) -> ':96x1s6c1', tile_arg's spelling (the defaults left out)."""
+    from pagedref.kernels.build import gemm_max_stages
+
+    return (f":{t.bn}x{t.splits}" + (f"s{t.stages}" if t.stages != gemm_max_stages(t.bn) else "")
+            + ("c1" if t.cluster == 1 else ""))
+
+
 def set_mode(mode: str) -> None:
     import torch
 
@@ -55,7 +87,9 @@ def set_mode(mode: str) -> None:
         tunable.set_filename(os.path.join(tempfile.mkdtemp(prefix="pagedref-tunableop-"), "results.csv"))
 
 
-def bench_mode(mode: str, shapes: dict[str, tuple[int, int]], rows: list[int], reps: int) -> dict[str, float]:
+def bench_mode(mode: str, shapes: dict[str, tuple[int, int]], rows: list[int], reps: int,
+               tiles: list | None = None) -> dict[str, float]:
+    """{"name@M": µs} of each shape in `mode` (pagedref: also "name@M:BNxS" for each of `tiles`)."""
     import torch
 
     from pagedref.bench.kernel import num_sets, time_ms
@@ -65,27 +99,57 @@ def bench_mode(mode: str, shapes: dict[str, tuple[int, int]], rows: list[int], r
     for m in rows:
         for name, (k, n) in shapes.items():
             gen = torch.Generator(device="cuda").manual_seed(m + k + n)
+            silu = name == "gate_up_silu"
             sets = [(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen),  # x
                      torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen),  # w
-                     torch.empty(m, n, device="cuda", dtype=torch.bfloat16))  # y
+                     torch.empty(m, n, device="cuda", dtype=torch.bfloat16),  # y
+                     torch.empty(m, n // 2, device="cuda", dtype=torch.bfloat16))  # silu(gate) * up
                     for _ in range(num_sets(2 * (m * k + n * k + m * n)))]
-            ms, _ = time_ms([lambda x=x, w=w, y=y: torch.matmul(x, w.t(), out=y) for x, w, y in sets], reps)
-            out[f"{name}@{m}"] = ms * 1e3
+            for label, call in calls(mode, silu, n, k, tiles):
+                ms, _ = time_ms([lambda x=x, w=w, y=y, h=h: call(x, w, y, h) for x, w, y, h in sets], reps)
+                out[f"{name}@{m}{label}"] = ms * 1e3
     set_mode("default")
     return out
 
 
+def calls(mode: str, silu: bool, n: int, k: int, tiles: list | None):
+    """[(label, call(x, w, y, h))] to time for one shape: the library's product (then silu_and_mul into h),
+    or pagedref's GEMM with the weight's own tile ("") and with each of `tiles` that fits (":BNxS")."""
+    import torch
+
+    from pagedref.kernels import fused
+
+    if mode != "pagedref":
+        if silu:
+            return [("", lambda x, w, y, h: fused.silu_and_mul(torch.matmul(x, w.t(), out=y), out=h))]
+        return [("", lambda x, w, y, h: torch.matmul(x, w.t(), out=y))]
+    from pagedref.kernels import gemm
+
+    found = [("", None)] + [(tile_label(t), t) for t in tiles or []
+                            if (n // 2 % (t.bn // 2) == 0 and t.splits == 1 if silu else n % t.bn == 0)]
+    if silu:
+        return [(label, lambda x, w, y, h, t=t: gemm.silu_mul_linear(x, w, out=h, tile=t)) for label, t in found]
+    return [(label, lambda x, w, y, h, t=t: gemm.linear(x, w, out=y, tile=t)) for label, t in found]
+
+
 def print_report(res: dict) -> None:
     shapes, layers = res["shapes"], res["num_layers"]
-    layer = [name for name in shapes if name in PROJECTIONS]  # the --extra shapes are not the model's
     print(f"{res['model_shape']} weight matmuls, bf16, graphed; µs (TFLOP/s); {'/'.join(res['modes'])}")
     for m in res["rows"]:
         cells = []
         for name, (k, n) in shapes.items():
             us = [res["us"][mode][f"{name}@{m}"] for mode in res["modes"]]
             cells.append(f"{name} " + " / ".join(f"{u:.1f} ({2 * m * k * n / u / 1e6:.0f})" for u in us))
-        step = [sum(res["us"][mode][f"{name}@{m}"] for name in layer) * layers / 1e3 for mode in res["modes"]]
-        print(f"  M={m:4d}: " + " | ".join(cells) + " | x" + f"{layers} layers: " + " / ".join(f"{s:.2f} ms" for s in step))
+        print(f"  M={m:4d}: " + " | ".join(cells))
+        for layer in (PROJECTIONS, FUSED_LAYER) if "gate_up_silu" in shapes else (PROJECTIONS,):
+            step = [sum(res["us"][mode][f"{name}@{m}"] for name in layer) * layers / 1e3 for mode in res["modes"]]
+            print(f"    x {layers} layers of {' + '.join(layer)}: " + " / ".join(f"{s:.2f} ms" for s in step))
+        swept = [key for key in res["us"].get("pagedref", {}) if key.startswith(f"{m}:", key.index("@") + 1)]
+        for key in swept:
+            name = key.split("@")[0]
+            k, n = shapes[name]
+            us = res["us"]["pagedref"][key]
+            print(f"    pagedref {key}: {us:.1f} µs ({2 * m * k * n / us / 1e6:.0f} TFLOP/s)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=50, help="timed calls per shape (median reported)")
     ap.add_argument("--extra", nargs="+", type=extra_shape, default=[], metavar="KxN",
                     help="more (K, N) weight shapes to time beside the model's projections")
+    ap.add_argument("--tiles", nargs="+", type=tile_arg, default=[], metavar="BNxSPLITS",
+                    help="pagedref mode: also time these tilings of every shape they divide")
     ap.add_argument("--json", help="also write the results as JSON to this path")
     args = ap.parse_args(argv)
     if min(args.rows) < 1 or args.reps < 1:
@@ -105,11 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("the GEMM benchmark needs a CUDA GPU", file=sys.stderr)
         return 1
-    shapes = projection_shapes(args.model_shape) | {f"{k}x{n}": (k, n) for k, n in args.extra}
+    shapes = projection_shapes(args.model_shape)
+    shapes |= {"gate_up_silu": shapes["gate_up"]} | {f"{k}x{n}": (k, n) for k, n in args.extra}
     res = {"command": "python -m pagedref.bench gemm " + " ".join(argv or []), **environment("cuda"),
            "model_shape": args.model_shape, "num_layers": SHAPES[args.model_shape]["num_hidden_layers"],
            "shapes": shapes, "rows": args.rows, "modes": args.modes,
-           "us": {mode: bench_mode(mode, shapes, args.rows, args.reps) for mode in args.modes}}
+           "us": {mode: bench_mode(mode, shapes, args.rows, args.reps, args.tiles) for mode in args.modes}}
     print_report(res)
     if args.json:
         with open(args.json, "w") as f:

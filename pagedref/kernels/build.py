@@ -210,6 +210,58 @@ def prefill_config(dtype: str, head_dim: int, block_size: int, version: int = 1,
     return KernelConfig("paged_prefill.cu", (*defines, ("PREFILL_MMA", 1)))
 
 
+# The weight GEMM (cuda/gemm_hopper.cu, launched by pagedref.kernels.gemm): sm_90a, 16-bit; a CTA is a TMA
+# producer warpgroup and two wgmma consumer warpgroups of 64 rows each, over k-steps of 64.
+GEMM_BM, GEMM_BK = 128, 64
+GEMM_WIDTHS = (64, 96, 128, 192, 224, 256)  # the tile widths the kernel spells out (wgmma m64nBNk16)
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """A weight's tiling: bn output columns per CTA (for silu_mul_linear: bn / 2 gate and bn / 2 up
+    rows), K cut into `splits` fixed spans (their fp32 sums added in order), `stages` deep ring, `cluster`
+    row tiles sharing each B tile (TMA multicast). Only bn and splits can change the arithmetic."""
+
+    bn: int
+    splits: int = 1
+    stages: int | None = None  # None: as many as fit in shared memory (gemm_max_stages), at most 8
+    cluster: int = 2
+
+    def __post_init__(self):
+        if self.bn not in GEMM_WIDTHS:
+            raise ValueError(f"tile width bn must be one of {GEMM_WIDTHS}, got {self.bn}")
+        if self.stages is None:
+            object.__setattr__(self, "stages", gemm_max_stages(self.bn))
+        if not 1 <= self.splits <= 8 or not 2 <= self.stages <= gemm_max_stages(self.bn) or self.cluster not in (1, 2):
+            raise ValueError(f"splits must be 1..8, stages 2..{gemm_max_stages(self.bn)} (what fits at bn = {self.bn}) "
+                             f"and cluster 1 or 2, got {self.splits}, {self.stages} and {self.cluster}")
+
+
+def gemm_shared_bytes(tile: GemmTile) -> int:
+    """Dynamic shared memory: `stages` x (GEMM_BM + bn rows of 128 bytes), 1 KB of alignment slack, the mbarriers."""
+    return _gemm_shared_bytes(tile.bn, tile.stages)
+
+
+def _gemm_shared_bytes(bn: int, stages: int) -> int:
+    return stages * (GEMM_BM + bn) * GEMM_BK * 2 + 1024 + 16 * stages
+
+
+def gemm_max_stages(bn: int, limit: int = 227 * 1024) -> int:
+    """The deepest ring that fits in an H200's 227 KB of shared memory per block, at most 8 (measured: the
+    narrow tiles need depth: o at bn 64 took 29.1 µs with 4 stages, 23.8 with 8; bench gemm, H200)."""
+    return max(s for s in range(2, 9) if _gemm_shared_bytes(bn, s) <= limit)
+
+
+def gemm_config(dtype: str, tile: GemmTile, silu_mul: bool = False) -> KernelConfig:
+    """The GEMM's module for a dtype and tile (silu_mul: SwiGLU's gate/up with silu(gate) * up in the epilogue)."""
+    if ELEM_SIZE[dtype] != 2:
+        raise ValueError(f"the Hopper GEMM takes float16 or bfloat16, got {dtype}")
+    return KernelConfig("gemm_hopper.cu", (("PR_DTYPE", DTYPE_CODES[dtype]), ("GEMM_BN", tile.bn),
+                                           ("GEMM_STAGES", tile.stages), ("GEMM_SILU_MUL", int(silu_mul)),
+                                           ("GEMM_CLUSTER", tile.cluster)),
+                        PREFILL_V3_ARCH)
+
+
 CACHE_OPS = KernelConfig("cache_ops.cu")
 
 
@@ -234,6 +286,8 @@ def ci_configs() -> list[KernelConfig]:
     configs += [prefill_config("bfloat16", head_dim, 16, 3, schedule=s) for head_dim in PREFILL_V3_HEAD_DIMS
                 for s in PREFILL_V3_SCHEDULES.values()]
     configs += [KernelConfig("fused_ops.cu", (("PR_DTYPE", code),)) for code in DTYPE_CODES.values()]  # kernels.fused
+    configs += [gemm_config(d, GemmTile(bn), silu) for d in ("bfloat16", "float16") for bn in GEMM_WIDTHS
+                for silu in (False, True)]  # kernels.gemm
     return list(dict.fromkeys(configs))  # each once, in order
 
 

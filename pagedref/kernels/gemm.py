@@ -1,0 +1,207 @@
+"""Weight GEMMs on Hopper (`cuda/gemm_hopper.cu`): y = x W^T for a decode step, tiles chosen per weight.
+
+One idea: at a serving batch the step's time is its weight GEMMs, and cuBLAS's tiles fill the GPU's SMs
+unevenly at the model's widths (`python -m pagedref.bench gemm`). This launcher runs the project's own
+warp-specialised wgmma kernel, TMA copies into a ring of shared-memory stages, with a tile width and a
+split of K chosen from the weight's shape (`gemm_tile`), and can fuse SwiGLU's silu(gate) * up into the
+gate/up GEMM's epilogue (`silu_mul_linear`).
+
+Invariant: a row's output depends only on that row and the weight: the tile and the split are functions
+of (N, K) and the device's SM count, never of M, so the bits of a token's row are the same in any batch
+(cuBLAS picks its kernel from M). Against a float64 product each element is within fp32 accumulation
+error plus one rounding to 16 bits. Launches go on torch's current stream (graph-capturable).
+
+The TMA descriptors (CUtensorMap, 128 bytes) are encoded on the host by the driver
+(cuTensorMapEncodeTiled) and passed by value, so a captured graph holds them; the kernel is launched
+through the driver's cuLaunchKernel for the same reason (CuPy passes no 128-byte arguments).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import numpy as np
+import torch
+
+from pagedref.kernels import build, launch, validate
+from pagedref.kernels.build import GEMM_BK as BK, GEMM_BM as BM, GEMM_WIDTHS as WIDTHS, GemmTile, gemm_config, gemm_shared_bytes
+
+CAPABILITY = (9, 0)
+THREADS = 384
+REDUCE_THREADS = 256
+_TMA_DTYPES = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+_SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
+
+
+def gemm_tile(n: int, k: int, num_sms: int = 132, silu_mul: bool = False) -> GemmTile:
+    """The tiling of an [n, k] weight (silu_mul: the merged [gate | up] weight, n = 2 I), from its shape and
+    the SM count alone: the CTAs of a 256-row batch (two row tiles) should fill whole waves; then a width of
+    at least 96 (m64n64 wgmmas are bound by shared-memory reads), then fewer splits, then wider. Each split
+    keeps at least 16 k-steps; the SiLU epilogue takes no split. Measured at the 8B shapes (bench gemm, H200):
+    q/k/v 96 x 1, o 128 x 2, gate/up 224 x 1, down 128 x 2."""
+    best, best_key = None, None
+    cols = n // 2 if silu_mul else n
+    for bn in WIDTHS:
+        width = bn // 2 if silu_mul else bn
+        if cols % width:
+            continue
+        for splits in (1,) if silu_mul else (1, 2, 3, 4):
+            if splits > 1 and k // BK < 16 * splits:
+                break
+            ctas = 2 * (cols // width) * splits
+            fill = ctas / (-(-ctas // num_sms) * num_sms)  # the share of the waves' SM slots in use
+            key = (round(fill, 2), bn >= 96, -splits, bn)
+            if best_key is None or key > best_key:
+                best, best_key = GemmTile(bn, splits), key
+    if best is None:
+        raise ValueError(f"no tile of {WIDTHS} divides a weight of {n} rows (silu_mul={silu_mul})")
+    return best
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` runs here: an sm_90 device, 16-bit x [M, K] and weight [N, K] of one
+    dtype, K a multiple of 64 and N of some tile width, rows 16-byte aligned (TMA's rule)."""
+    if not (x.is_cuda and weight.is_cuda and x.dtype in _TMA_DTYPES and weight.dtype == x.dtype):
+        return False
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[1] % BK:
+        return False
+    if x.stride(1) != 1 or weight.stride(1) != 1 or (x.stride(0) * 2) % 16 or (weight.stride(0) * 2) % 16:
+        return False
+    if x.data_ptr() % 16 or weight.data_ptr() % 16 or weight.shape[0] % 64:
+        return False
+    return torch.cuda.get_device_capability(x.device) == CAPABILITY
+
+
+# --- the driver: TMA descriptors and the launch -------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    lib = ctypes.CDLL("libcuda.so.1")
+    u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+    lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p,
+                                           u64p, u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
+    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 6, ctypes.c_uint, ctypes.c_void_p,
+                                   ctypes.c_void_p, ctypes.c_void_p]
+    lib.cuLaunchKernel.restype = ctypes.c_int
+    return lib
+
+
+class _TmaMap(ctypes.Structure):  # CUtensorMap: 128 opaque bytes (a kernel parameter, copied at launch)
+    _fields_ = [("w", ctypes.c_uint64 * 16)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _tensor_map(ptr: int, rows: int, cols: int, row_stride: int, box_rows: int, dtype: torch.dtype) -> _TmaMap:
+    """The descriptor of a row-major [rows, cols] 16-bit matrix at ptr, read in boxes of 64 columns
+    (128 bytes: one swizzle row) x box_rows rows, 128-byte swizzled. Its bytes depend only on these
+    arguments, so a cached one is right for any tensor with them."""
+    scratch = ctypes.create_string_buffer(128 + 64)  # the driver writes a 64-byte aligned CUtensorMap
+    aligned = (ctypes.addressof(scratch) + 63) & ~63
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(row_stride * 2)
+    box = (ctypes.c_uint32 * 2)(BK, box_rows)
+    steps = (ctypes.c_uint32 * 2)(1, 1)
+    rc = _driver().cuTensorMapEncodeTiled(aligned, _TMA_DTYPES[dtype], 2, ctypes.c_void_p(ptr), dims, strides,
+                                          box, steps, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
+    if rc != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for [{rows}, {cols}] box {box_rows} rows")
+    m = _TmaMap()
+    ctypes.memmove(ctypes.addressof(m), aligned, 128)
+    return m
+
+
+def _matrix_map(t: torch.Tensor, box_rows: int) -> _TmaMap:
+    return _tensor_map(t.data_ptr(), t.shape[0], t.shape[1], t.stride(0), box_rows, t.dtype)
+
+
+def _launch_gemm(config: build.KernelConfig, tile: GemmTile, grid: tuple[int, int, int], args: list, device) -> None:
+    import cupy
+
+    kernel = build.function(config, "gemm_tn")
+    smem = gemm_shared_bytes(tile)
+    if kernel.max_dynamic_shared_size_bytes < smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    stream = torch.cuda.current_stream(device).cuda_stream
+    with cupy.cuda.Device(device.index):
+        rc = _driver().cuLaunchKernel(kernel.kernel.ptr, *grid, THREADS, 1, 1, smem, stream, params, None)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchKernel(gemm_tn) failed with CUresult {rc}")
+
+
+# --- the public calls ---------------------------------------------------------------------------------
+
+def _check(x: torch.Tensor, weight: torch.Tensor, name: str) -> None:
+    validate.require_cuda(x, "x")
+    if not supported(x, weight):
+        raise ValueError(f"{name}: needs an sm_90 GPU, float16/bfloat16 x [M, K] and weight [N, K] of one dtype, "
+                         f"K a multiple of {BK}, N of 64, 16-byte aligned rows; got x {tuple(x.shape)} {x.dtype}, "
+                         f"weight {tuple(weight.shape)} {weight.dtype}")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,
+           tile: GemmTile | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype (F.linear without bias). `tile` is for
+    benchmarks; None: gemm_tile(N, K), the weight's own."""
+    _check(x, weight, "gemm.linear")
+    m, k = x.shape
+    n = weight.shape[0]
+    tile = tile or gemm_tile(n, k, _num_sms(x.device))
+    if n % tile.bn:
+        raise ValueError(f"gemm.linear: tile width {tile.bn} does not divide N = {n}")
+    out = _output(out, (m, n), x)
+    if m == 0:
+        return out
+    partial = torch.empty((tile.splits, m, n), dtype=torch.float32, device=x.device) if tile.splits > 1 else None
+    args = [_matrix_map(x, BM), _matrix_map(weight, tile.bn // 2), ctypes.c_void_p(out.data_ptr()),
+            ctypes.c_void_p(0 if partial is None else partial.data_ptr()), ctypes.c_int(m), ctypes.c_int(n),
+            ctypes.c_int(k // BK), ctypes.c_int(0)]
+    config = gemm_config(validate.DTYPE_NAMES[x.dtype], tile)
+    _launch_gemm(config, tile, (_row_tiles(m, tile), n // tile.bn, tile.splits), args, x.device)
+    if partial is not None:
+        count = m * n
+        launch._launch(config, "gemm_splitk_reduce", x.device, (-(-count // 4 // REDUCE_THREADS),),
+                       (launch._ptr(out), launch._ptr(partial), np.int32(tile.splits), np.int64(count)),
+                       threads=REDUCE_THREADS)
+    return out
+
+
+def silu_mul_linear(x: torch.Tensor, gate_up: torch.Tensor, *, out: torch.Tensor | None = None,
+                    tile: GemmTile | None = None) -> torch.Tensor:
+    """SwiGLU's first half in one kernel: x [M, K], gate_up [2 I, K] (gate rows, then up rows) ->
+    silu(x gate^T) * (x up^T) [M, I], bit for bit `fused.silu_and_mul(linear(x, gate_up))`."""
+    _check(x, gate_up, "gemm.silu_mul_linear")
+    m, k = x.shape
+    inter = gate_up.shape[0] // 2
+    tile = tile or gemm_tile(2 * inter, k, _num_sms(x.device), silu_mul=True)
+    if gate_up.shape[0] % 2 or inter % (tile.bn // 2) or tile.splits != 1:
+        raise ValueError(f"gemm.silu_mul_linear: {gate_up.shape[0]} gate/up rows do not split into tiles of "
+                         f"{tile.bn // 2} (and the fused epilogue takes no split of K)")
+    out = _output(out, (m, inter), x)
+    if m == 0:
+        return out
+    args = [_matrix_map(x, BM), _matrix_map(gate_up, tile.bn // 2), ctypes.c_void_p(out.data_ptr()),
+            ctypes.c_void_p(0), ctypes.c_int(m), ctypes.c_int(inter), ctypes.c_int(k // BK), ctypes.c_int(inter)]
+    config = gemm_config(validate.DTYPE_NAMES[x.dtype], tile, silu_mul=True)
+    _launch_gemm(config, tile, (_row_tiles(m, tile), inter // (tile.bn // 2), 1), args, x.device)
+    return out
+
+
+def _row_tiles(m: int, tile: GemmTile) -> int:
+    """Row tiles of BM, padded to whole clusters (a tile past M computes zeros and stores nothing)."""
+    return -(-m // (BM * tile.cluster)) * tile.cluster
+
+
+def _output(out: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=x.dtype, device=x.device)
+    if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {shape} {x.dtype} tensor on {x.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,0 +1,162 @@
+"""GPU checks of the Hopper weight GEMM (`pagedref.kernels.gemm`, `cuda/gemm_hopper.cu`); skipped without an sm_90 GPU.
+
+Against a float64 product: every tile width, split and dtype, M from 1 to past two row tiles (the tail
+rows of a tile are TMA's zeros). Bitwise: a row's output the same in any batch (sub-batches, a permuted
+batch, rows of a larger NaN-padded buffer), on every run and in a CUDA graph's replay; the SiLU-fused
+gate/up equal to the GEMM then `fused.silu_and_mul`. Errors: shapes the kernel does not take are refused
+with the reason.
+
+Run as a script it is also the device's sanitizer driver (no pytest): `python tests/test_gemm_gpu.py sanitize`
+runs every tile width, a split and the fused epilogue once on small shapes.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from pagedref.kernels import fused, gpu_available
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not gpu_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU and cupy")]
+
+from pagedref.kernels import gemm  # noqa: E402  (after the skip: imports cupy lazily anyway)
+from pagedref.kernels.build import GEMM_WIDTHS, GemmTile  # noqa: E402
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def operands(m: int, n: int, k: int, dtype, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
+    w = (torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / k**0.5).to(dtype)
+    return x, w
+
+
+def oracle(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.double() @ w.double().t()
+
+
+def max_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| over the elements, relative to the largest |want| (the outputs are O(1))."""
+    return float((got.double() - want).abs().max() / want.abs().max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bn", GEMM_WIDTHS)
+@pytest.mark.parametrize("m", [1, 64, 200, 300])
+def test_linear_matches_float64(bn, m, dtype):
+    n, k = 2 * bn, 1024
+    x, w = operands(m, n, k, dtype, seed=bn + m)
+    got = gemm.linear(x, w, tile=GemmTile(bn))
+    assert got.shape == (m, n) and got.dtype == dtype
+    # fp32 accumulation, one rounding to 16 bits: within a few units of the output's last place.
+    assert max_err(got, oracle(x, w)) < (4e-3 if dtype == torch.bfloat16 else 1e-3), f"bn={bn} m={m}"
+
+
+@pytest.mark.parametrize("splits", [2, 3, 4])
+def test_split_k_matches_float64_and_is_fixed(splits):
+    x, w = operands(256, 512, 4096, torch.bfloat16, seed=splits)
+    got = gemm.linear(x, w, tile=GemmTile(128, splits))
+    assert max_err(got, oracle(x, w)) < 4e-3
+    assert torch.equal(got, gemm.linear(x, w, tile=GemmTile(128, splits))), "split-K must give the same bits every run"
+
+
+@pytest.mark.parametrize("tile", [GemmTile(128), GemmTile(224), GemmTile(256, 2)])
+def test_a_row_is_the_same_bits_in_any_batch(tile):
+    n = 2 * tile.bn
+    x, w = operands(300, n, 2048, torch.bfloat16, seed=tile.bn)
+    full = gemm.linear(x, w, tile=tile)
+    for m in (1, 5, 129, 256):
+        assert torch.equal(gemm.linear(x[:m].contiguous(), w, tile=tile), full[:m]), f"rows of a batch of {m}"
+    perm = torch.randperm(300, device="cuda")
+    assert torch.equal(gemm.linear(x[perm].contiguous(), w, tile=tile), full[perm]), "a permuted batch"
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_clusters_change_the_schedule_not_the_bits(silu):
+    x, w = operands(200, 448, 1024, torch.bfloat16)
+    call = gemm.silu_mul_linear if silu else gemm.linear
+    assert torch.equal(call(x, w, tile=GemmTile(224, cluster=2)), call(x, w, tile=GemmTile(224, cluster=1)))
+
+
+def test_rows_past_m_are_never_read():
+    x, w = operands(100, 256, 1024, torch.bfloat16)
+    buf = torch.full((256, 1024), float("nan"), device="cuda", dtype=torch.bfloat16)
+    buf[:100] = x
+    got = gemm.linear(buf[:100], w, tile=GemmTile(128))
+    assert torch.isfinite(got).all() and torch.equal(got, gemm.linear(x, w, tile=GemmTile(128)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bn", [128, 192, 224, 256])
+def test_silu_mul_linear_is_the_gemm_then_silu_and_mul(bn, dtype):
+    inter = 2 * (bn // 2)
+    x, gate_up = operands(200, 2 * inter, 1024, dtype, seed=bn)
+    got = gemm.silu_mul_linear(x, gate_up, tile=GemmTile(bn))
+    assert got.shape == (200, inter)
+    ref = fused.silu_and_mul(gemm.linear(x, gate_up, tile=GemmTile(bn)))
+    assert torch.equal(got, ref), "silu(gate) * up fused into the epilogue must round like the two kernels"
+    g = oracle(x, gate_up)
+    want = torch.nn.functional.silu(g[:, :inter]) * g[:, inter:]
+    assert max_err(got, want) < 1e-2
+
+
+def test_model_shapes_take_their_own_tiles():
+    x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
+    for n, k, silu in ((6144, 4096, False), (4096, 4096, False), (28672, 4096, True), (4096, 14336, False)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        xs = x if k == 4096 else torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+        got = gemm.silu_mul_linear(xs, w) if silu else gemm.linear(xs, w)
+        g = oracle(xs, w)
+        want = torch.nn.functional.silu(g[:, :n // 2]) * g[:, n // 2:] if silu else g
+        assert max_err(got, want) < 1e-2, (n, k, silu, gemm.gemm_tile(n, k, silu_mul=silu))
+
+
+def test_graph_replay_equals_eager():
+    x, w = operands(256, 1024, 4096, torch.bfloat16)
+    out = torch.empty(256, 1024, device="cuda", dtype=torch.bfloat16)
+    eager = gemm.linear(x, w, tile=GemmTile(128, 2))
+    g = torch.cuda.CUDAGraph()
+    gemm.linear(x, w, out=out, tile=GemmTile(128, 2))  # compiled and warmed outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        gemm.linear(x, w, out=out, tile=GemmTile(128, 2))
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_bad_shapes_are_refused_with_the_reason():
+    x, w = operands(8, 256, 1024, torch.bfloat16)
+    with pytest.raises(ValueError, match="K a multiple of 64"):
+        gemm.linear(x[:, :1000].contiguous(), w[:, :1000].contiguous())
+    with pytest.raises(ValueError, match="does not divide"):
+        gemm.linear(x, w[:192].contiguous(), tile=GemmTile(128))
+    with pytest.raises(ValueError, match="float16/bfloat16"):
+        gemm.linear(x.float(), w.float())
+    with pytest.raises(ValueError, match="tile width"):
+        GemmTile(100)
+
+
+def sanitize() -> None:
+    """Every width once, a split and the fused epilogue, on small shapes (under compute-sanitizer)."""
+    for bn in GEMM_WIDTHS:
+        x, w = operands(130, 2 * bn, 256, torch.bfloat16, seed=bn)
+        for cluster in (1, 2):
+            gemm.linear(x, w, tile=GemmTile(bn, cluster=cluster))
+            gemm.silu_mul_linear(x, w, tile=GemmTile(bn, cluster=cluster))
+    x, w = operands(130, 256, 2048, torch.bfloat16)
+    gemm.linear(x, w, tile=GemmTile(128, 2))
+    torch.cuda.synchronize()
+    print("gemm sanitize: ok")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["sanitize"]:
+        sanitize()
+    else:
+        sys.exit(f"usage: {sys.argv[0]} sanitize")
