@@ -40,6 +40,10 @@
 // Bits: every output element is a sum over K in an order fixed by (BN, the split count, wgmma's own
 // order within a k-step): the same for every row, whatever M, the other rows or the launch. So a row's
 // result does not depend on the batch (cuBLAS picks its kernel, hence its order, from M).
+// Measured on an H200 (docs/benchmarks.md, 2026-12-02; bench gemm, the 8B layer at 256 rows): at cuBLAS's
+// speed, not past it: 6.15 against 5.93 ms for the step's 128 GEMMs, slower at 128 and 512 rows (tiles
+// chosen for 256). At q/k/v cuBLAS runs this very tiling, and Nsight Compute finds its tensor pipe busy ~86%
+// of the SM-active cycles against ~72% here: that gap is what is left to find. So the engine keeps cuBLAS.
 // Launch: grid (ceil(M / 128) rounded up to GEMM_CLUSTER, N / BN (SILU: I / (BN / 2)), splits), block 384, dynamic shared memory
 // gemm_shared_bytes (pagedref.kernels.gemm): STAGES x (128 + BN) rows of 128 bytes, 1 KB of alignment
 // slack, the mbarriers. Compile-time parameters (-D): PR_DTYPE (1 or 2), GEMM_BN, GEMM_STAGES, GEMM_SILU_MUL,
@@ -81,20 +85,42 @@ __device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
                : "memory");
 }
+// L2 policies for the copies (createpolicy): the weights are read once per step, evict them first; the
+// activations are read by every column tile, keep them.
+__device__ __forceinline__ unsigned long long l2_evict_first() {
+  unsigned long long p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ unsigned long long l2_evict_last() {
+  unsigned long long p;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
+}
+
 // TMA: the box of `map` at (column c0, row c1) -> shared memory at dst; its bytes complete_tx on bar.
-__device__ __forceinline__ void tma_load(unsigned dst, const TmaMap &map, int c0, int c1, unsigned bar) {
-  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-               ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
+__device__ __forceinline__ void tma_load(unsigned dst, const TmaMap &map, int c0, int c1, unsigned bar,
+                                         unsigned long long policy) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+               " [%0], [%1, {%2, %3}], [%4], %5;\n"
+               ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
+               : "memory");
 }
 
 // The same box into the same shared-memory offset of every CTA of the cluster in `mask`, each CTA's copy
 // completing on its own mbarrier at offset bar.
 __device__ __forceinline__ void tma_load_multicast(unsigned dst, const TmaMap &map, int c0, int c1, unsigned bar,
-                                                   unsigned short mask) {
+                                                   unsigned short mask, unsigned long long policy) {
   asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-               " [%0], [%1, {%2, %3}], [%4], %5;\n"
-               ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
+               ".L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5, %6;\n"
+               ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(bar), "h"(mask),
+               "l"(policy)
                : "memory");
+}
+
+// Fetch a descriptor into the copy engine's cache before its first use.
+__device__ __forceinline__ void prefetch_map(const TmaMap &map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(&map)) : "memory");
 }
 
 __device__ __forceinline__ unsigned cluster_rank() {
@@ -240,21 +266,25 @@ extern "C" __global__ void __cluster_dims__(GEMM_CLUSTER, 1, 1) __launch_bounds_
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
     if (tid == 0) {
+      prefetch_map(a_map);
+      prefetch_map(b_map);
+      const unsigned long long keep = l2_evict_last(), stream = l2_evict_first();
       for (int s = 0; s < steps; ++s) {
         const int stage = s % STAGES, k = (k_first + s) * BK;
         if (s >= STAGES) mbar_wait(empty + 8 * stage, (s / STAGES - 1) & 1);  // k-step s - STAGES consumed
         const unsigned a_s = base + stage * STAGE_BYTES, b_s = a_s + A_BYTES;
         mbar_expect_tx(full + 8 * stage, STAGE_BYTES);  // A's rows and both halves of B land here
-        tma_load(a_s, a_map, k, m0, full + 8 * stage);
+        tma_load(a_s, a_map, k, m0, full + 8 * stage, keep);
         // B in two halves of BN / 2 rows (1024-byte aligned: BN % 16 == 0): plain, the tile's rows; SILU, its
         // gate rows then the same up rows. In a cluster, CTA r copies half r into every CTA of the cluster.
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = GEMM_SILU_MUL ? (h ? up_row0 : 0) + tile_n * (BN / 2) : tile_n * BN + h * (BN / 2);
           if (GEMM_CLUSTER == 1)
-            tma_load(b_s + h * (BN / 2) * 128, b_map, k, row, full + 8 * stage);
+            tma_load(b_s + h * (BN / 2) * 128, b_map, k, row, full + 8 * stage, stream);
           else if (h == (int)rank)
-            tma_load_multicast(b_s + h * (BN / 2) * 128, b_map, k, row, full + 8 * stage, (1 << GEMM_CLUSTER) - 1);
+            tma_load_multicast(b_s + h * (BN / 2) * 128, b_map, k, row, full + 8 * stage, (1 << GEMM_CLUSTER) - 1,
+                               stream);
         }
       }
     }
@@ -274,11 +304,9 @@ extern "C" __global__ void __cluster_dims__(GEMM_CLUSTER, 1, 1) __launch_bounds_
       wgmma_commit();
       wgmma_wait_but_one();  // k-step s - 1's products are done: its stage may be refilled
       if (s > 0) {  // every CTA of the cluster may now refill the stage (its half of B lands in ours too)
-        __syncwarp();
-        if (lane == 0)
-          for (int r = 0; r < GEMM_CLUSTER; ++r)
-            if (GEMM_CLUSTER == 1) mbar_arrive(empty + 8 * ((s - 1) % STAGES));
-            else mbar_arrive_cluster(empty + 8 * ((s - 1) % STAGES), r);
+        __syncwarp();  // lane r arrives on CTA r's barrier: one instruction per warp
+        if (GEMM_CLUSTER == 1 && lane == 0) mbar_arrive(empty + 8 * ((s - 1) % STAGES));
+        if (GEMM_CLUSTER > 1 && lane < GEMM_CLUSTER) mbar_arrive_cluster(empty + 8 * ((s - 1) % STAGES), lane);
       }
     }
     wgmma_wait_all();
