@@ -41,8 +41,8 @@
 // order within a k-step): the same for every row, whatever M, the other rows or the launch. So a row's
 // result does not depend on the batch (cuBLAS picks its kernel, hence its order, from M).
 // Measured on an H200 (docs/benchmarks.md, 2026-12-02; bench gemm, the 8B layer at 256 rows): at cuBLAS's
-// speed, not past it: 6.15 against 5.93 ms for the step's 128 GEMMs, slower at 128 and 512 rows (tiles
-// chosen for 256). At q/k/v cuBLAS runs this very tiling, and Nsight Compute finds its tensor pipe busy ~86%
+// speed, not past it: 6.18-6.24 against 6.00-6.06 ms for the step's 128 GEMMs, slower at 128 and 512 rows
+// (tiles chosen for 256). At q/k/v cuBLAS runs this very tiling, and Nsight Compute finds its tensor pipe busy ~86%
 // of the SM-active cycles against ~72% here: that gap is what is left to find. So the engine keeps cuBLAS.
 // Launch: grid (ceil(M / 128) rounded up to GEMM_CLUSTER, N / BN (SILU: I / (BN / 2)), splits), block 384, dynamic shared memory
 // gemm_shared_bytes (pagedref.kernels.gemm): STAGES x (128 + BN) rows of 128 bytes, 1 KB of alignment
@@ -269,9 +269,10 @@ extern "C" __global__ void __cluster_dims__(GEMM_CLUSTER, 1, 1) __launch_bounds_
       prefetch_map(a_map);
       prefetch_map(b_map);
       const unsigned long long keep = l2_evict_last(), stream = l2_evict_first();
+      int stage = 0, phase = 0;  // the ring's slot of k-step s and that slot's round, kept as counters
       for (int s = 0; s < steps; ++s) {
-        const int stage = s % STAGES, k = (k_first + s) * BK;
-        if (s >= STAGES) mbar_wait(empty + 8 * stage, (s / STAGES - 1) & 1);  // k-step s - STAGES consumed
+        const int k = (k_first + s) * BK;
+        if (s >= STAGES) mbar_wait(empty + 8 * stage, phase ^ 1);  // k-step s - STAGES consumed
         const unsigned a_s = base + stage * STAGE_BYTES, b_s = a_s + A_BYTES;
         mbar_expect_tx(full + 8 * stage, STAGE_BYTES);  // A's rows and both halves of B land here
         tma_load(a_s, a_map, k, m0, full + 8 * stage, keep);
@@ -286,28 +287,37 @@ extern "C" __global__ void __cluster_dims__(GEMM_CLUSTER, 1, 1) __launch_bounds_
             tma_load_multicast(b_s + h * (BN / 2) * 128, b_map, k, row, full + 8 * stage, (1 << GEMM_CLUSTER) - 1,
                                stream);
         }
+        if (++stage == STAGES) stage = 0, phase ^= 1;
       }
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
-    const int ctid = tid - WG, cw = ctid / WG, warp = ctid / 32 % 4, lane = ctid % 32;
+    // cw through a shuffle from lane 0: the compiler then knows it is the same in the whole warp and keeps the
+    // descriptors in uniform registers (CUTLASS's canonical_warp_group_idx). The loop below is all the
+    // consumer does per k-step, so every instruction in it sits between "full" and the next wgmmas.
+    const int ctid = tid - WG, cw = __shfl_sync(PR_FULL_MASK, ctid / WG, 0), warp = ctid / 32 % 4, lane = ctid % 32;
+    // Stage 0's descriptors; a stage, and a 16-element k-step within it, are offsets added to them (addresses
+    // stay below 256 KB: the 14-bit start field never carries).
+    const unsigned long long a_desc = wgmma_desc(base + cw * 64 * 128, 16, 1024), b_desc = wgmma_desc(base + A_BYTES, 16, 1024);
     float d[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+    int stage = 0, phase = 0, prev = 0;
     for (int s = 0; s < steps; ++s) {
-      const int stage = s % STAGES;
-      mbar_wait(full + 8 * stage, (s / STAGES) & 1);
-      const unsigned a_s = base + stage * STAGE_BYTES + cw * 64 * 128, b_s = base + stage * STAGE_BYTES + A_BYTES;
+      mbar_wait(full + 8 * stage, phase);
+      const unsigned off = stage * (STAGE_BYTES >> 4);
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) wgmma_tn<BN>(d, wgmma_desc(a_s + 32 * kk, 16, 1024), wgmma_desc(b_s + 32 * kk, 16, 1024));
+      for (int kk = 0; kk < BK / 16; ++kk) wgmma_tn<BN>(d, a_desc + off + 2 * kk, b_desc + off + 2 * kk);
       wgmma_commit();
       wgmma_wait_but_one();  // k-step s - 1's products are done: its stage may be refilled
       if (s > 0) {  // every CTA of the cluster may now refill the stage (its half of B lands in ours too)
         __syncwarp();  // lane r arrives on CTA r's barrier: one instruction per warp
-        if (GEMM_CLUSTER == 1 && lane == 0) mbar_arrive(empty + 8 * ((s - 1) % STAGES));
-        if (GEMM_CLUSTER > 1 && lane < GEMM_CLUSTER) mbar_arrive_cluster(empty + 8 * ((s - 1) % STAGES), lane);
+        if (GEMM_CLUSTER == 1 && lane == 0) mbar_arrive(empty + 8 * prev);
+        if (GEMM_CLUSTER > 1 && lane < GEMM_CLUSTER) mbar_arrive_cluster(empty + 8 * prev, lane);
       }
+      prev = stage;
+      if (++stage == STAGES) stage = 0, phase ^= 1;
     }
     wgmma_wait_all();
     fence_regs(d);
