@@ -13,8 +13,9 @@
 //
 // Design (FlashAttention-3's producer/consumer, as prefill v3, with TMA doing the copies):
 //   * CTA = 3 warpgroups. Warpgroup 0 is the producer: one thread issues, per k-step of BK = 64 (128
-//     bytes of a row: one swizzle row), two bulk tensor copies (TMA: cp.async.bulk.tensor) of A's 128
-//     rows and B's BN rows into a ring of STAGES shared-memory stages, and the copies signal the stage's
+//     bytes of a row: one swizzle row), bulk tensor copies (TMA: cp.async.bulk.tensor) of A's 128 rows
+//     and B's BN rows (two halves) into a ring of STAGES shared-memory stages (the deepest that fits: the
+//     narrow tiles need it, o took 29.1 us at 4 stages, 23.8 at 8), and the copies signal the stage's
 //     "full" mbarrier with their byte count (expect_tx / complete_tx). Rows of A past M are zeros (the
 //     tensor map's bounds), so no row's sum is touched by another's.
 //   * Warpgroups 1 and 2 are the consumers, 64 rows of A each: per k-step four wgmma m64nBNk16 with both
@@ -25,9 +26,8 @@
 //   * Clusters (GEMM_CLUSTER=2): the CTAs of row tiles 2i and 2i + 1 (same B tile) form a cluster; each copies
 //     one half of B with TMA multicast into both, and a stage is refilled only once the consumers of both
 //     released it (each consumer warp arrives on the "empty" barriers of both CTAs). B then crosses L2 once
-//     per cluster: measured, every tiling was bound by how fast L2 fills the SMs' shared memory (~7.7 TB/s
-//     on an H200), and this halves B's share of that traffic. The grid's row tiles are padded to whole
-//     clusters (a tile past M copies TMA's zeros and stores nothing).
+//     per cluster (gate/up: 5% faster). The grid's row tiles are padded to whole clusters (a tile past M
+//     copies TMA's zeros and stores nothing).
 //   * setmaxnreg: the producer gives its registers back (40), the consumers take them (232).
 //   * Epilogue: the accumulators rounded to 16 bits and stored from registers (mma.m16n8k16's layout per
 //     warp: lane (grp, tig) holds rows grp, grp + 8, columns 8 j + 2 tig, + 1).
@@ -42,11 +42,12 @@
 // result does not depend on the batch (cuBLAS picks its kernel, hence its order, from M).
 // Measured on an H200 (docs/benchmarks.md, 2026-12-02; bench gemm, the 8B layer at 256 rows): at cuBLAS's
 // speed, not past it: 6.18-6.24 against 6.00-6.06 ms for the step's 128 GEMMs, slower at 128 and 512 rows
-// (tiles chosen for 256). At q/k/v cuBLAS runs this very tiling, and Nsight Compute finds its tensor pipe busy ~86%
-// of the SM-active cycles against ~72% here: that gap is what is left to find. So the engine keeps cuBLAS.
-// Launch: grid (ceil(M / 128) rounded up to GEMM_CLUSTER, N / BN (SILU: I / (BN / 2)), splits), block 384, dynamic shared memory
-// gemm_shared_bytes (pagedref.kernels.gemm): STAGES x (128 + BN) rows of 128 bytes, 1 KB of alignment
-// slack, the mbarriers. Compile-time parameters (-D): PR_DTYPE (1 or 2), GEMM_BN, GEMM_STAGES, GEMM_SILU_MUL,
+// (tiles chosen for 256). At q/k/v cuBLAS runs this very tiling, and Nsight Compute finds its tensor pipe
+// busy ~86% of the SM-active cycles against ~72% here: that gap is what is left to find. So the engine
+// keeps cuBLAS.
+// Launch: grid (ceil(M / 128) rounded up to GEMM_CLUSTER, N / BN (SILU: I / (BN / 2)), splits), block 384,
+// dynamic shared memory gemm_shared_bytes (pagedref.kernels.build): STAGES x (128 + BN) rows of 128 bytes,
+// 1 KB of alignment slack, the mbarriers. Compile-time parameters (-D): PR_DTYPE (1 or 2), GEMM_BN, GEMM_STAGES, GEMM_SILU_MUL,
 // GEMM_CLUSTER (1 or 2).
 #include "hopper.cuh"  // dtype.cuh, mbarriers, wgmma fences, descriptors
 

@@ -4,7 +4,9 @@ One idea: at a serving batch the step's time is its weight GEMMs, and cuBLAS's t
 unevenly at the model's widths (`python -m pagedref.bench gemm`). This launcher runs the project's own
 warp-specialised wgmma kernel, TMA copies into a ring of shared-memory stages, with a tile width and a
 split of K chosen from the weight's shape (`gemm_tile`), and can fuse SwiGLU's silu(gate) * up into the
-gate/up GEMM's epilogue (`silu_mul_linear`).
+gate/up GEMM's epilogue (`silu_mul_linear`). Measured on an H200 (docs/benchmarks.md, 2026-12-02) it runs
+the 8B step's GEMMs at cuBLAS's speed, not past it, so the engine keeps cuBLAS; this is the kernel, its
+benchmark (`bench gemm --modes pagedref`) and its tests.
 
 Invariant: a row's output depends only on that row and the weight: the tile and the split are functions
 of (N, K) and the device's SM count, never of M, so the bits of a token's row are the same in any batch
@@ -20,11 +22,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+
 import numpy as np
 import torch
 
 from pagedref.kernels import build, launch, validate
-from pagedref.kernels.build import GEMM_BK as BK, GEMM_BM as BM, GEMM_WIDTHS as WIDTHS, GemmTile, gemm_config, gemm_shared_bytes
+from pagedref.kernels.build import GEMM_BK as BK
+from pagedref.kernels.build import GEMM_BM as BM
+from pagedref.kernels.build import GEMM_WIDTHS as WIDTHS
+from pagedref.kernels.build import GemmTile, gemm_config, gemm_shared_bytes
 
 CAPABILITY = (9, 0)
 THREADS = 384
@@ -36,9 +42,9 @@ _SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
 def gemm_tile(n: int, k: int, num_sms: int = 132, silu_mul: bool = False) -> GemmTile:
     """The tiling of an [n, k] weight (silu_mul: the merged [gate | up] weight, n = 2 I), from its shape and
     the SM count alone: the CTAs of a 256-row batch (two row tiles) should fill whole waves; then a width of
-    at least 96 (m64n64 wgmmas are bound by shared-memory reads), then fewer splits, then wider. Each split
-    keeps at least 16 k-steps; the SiLU epilogue takes no split. Measured at the 8B shapes (bench gemm, H200):
-    q/k/v 96 x 1, o 128 x 2, gate/up 224 x 1, down 128 x 2."""
+    at least 96 (64 wide lost at down: 62.0 against 49.9 µs at 128 x 2), then fewer splits, then wider. Each
+    split keeps at least 16 k-steps; the SiLU epilogue takes no split. The fastest measured at the 8B shapes
+    (bench gemm --tiles, H200): q/k/v 96 x 1, o 128 x 2 (64 x 1 the same), gate/up 224 x 1, down 128 x 2."""
     best, best_key = None, None
     cols = n // 2 if silu_mul else n
     for bn in WIDTHS:
