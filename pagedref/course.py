@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import tokenize
 import typing
 from concurrent.futures import ThreadPoolExecutor
@@ -593,9 +594,11 @@ def apply_mutant(mutant: Mutant, package_dir: Path) -> None:
 
 def grade(package_dir: Path, numbers: list[int], workdir: Path) -> list[dict]:
     """Run stages `numbers`' tests against a package, in a subprocess: the failures, with messages."""
-    reporter = workdir / "_course_report.py"
-    if not reporter.exists() or reporter.read_text() != _REPORTER:  # run_mutants' parallel gradings share it
-        reporter.write_text(_REPORTER)
+    # Written whole, then renamed into place: run_mutants' parallel gradings share it, and a pytest starting
+    # meanwhile imports either copy, never a half-written one.
+    tmp = workdir / f"_course_report.{threading.get_ident()}.tmp"
+    tmp.write_text(_REPORTER)
+    os.replace(tmp, workdir / "_course_report.py")
     report = workdir / f"report-{package_dir.parent.name}.jsonl"
     report.unlink(missing_ok=True)
     env = {"PAGEDREF_CUDA_DIR": str(REPO_ROOT / "cuda"),  # a copied kernels/build.py finds the kernels anywhere
