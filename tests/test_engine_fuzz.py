@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pagedref.backends.reference import ReferenceBackend
@@ -203,6 +203,9 @@ def seeded(requests):
 @given(seed=st.integers(0, 10**6), block_size=st.sampled_from([1, 2, 4, 8]), budget=st.sampled_from([1, 3, 8, 64]),
        policy=st.sampled_from(["chunked", "mixed", "prefill-first"]), prefix_caching=st.booleans(),
        mode=st.sampled_from(["recompute", "swap"]), max_num_seqs=st.sampled_from([1, 3, 16]))
+# Always run, beside the random draws: decoding sequences outnumber a budget of 1 token, so a scheduler that
+# lets decodes ignore the budget fails here every time (the 40 random draws once missed it in CI, 2026-12-02).
+@example(seed=0, block_size=4, budget=1, policy="chunked", prefix_caching=False, mode="recompute", max_num_seqs=16)
 def test_random_workloads_match_each_request_alone(seed, block_size, budget, policy, prefix_caching, mode, max_num_seqs):
     """Chunked prefill, or whole prompts mixed with decodes (vLLM v1), or in steps of their own (v0)."""
     rng = random.Random(seed)
