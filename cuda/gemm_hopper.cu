@@ -29,8 +29,8 @@
 //     per cluster (gate/up: 5% faster). The grid's row tiles are padded to whole clusters (a tile past M
 //     copies TMA's zeros and stores nothing).
 //   * setmaxnreg: the producer gives its registers back (40), the consumers take them (232).
-//   * Epilogue: the accumulators rounded to 16 bits and stored from registers (mma.m16n8k16's layout per
-//     warp: lane (grp, tig) holds rows grp, grp + 8, columns 8 j + 2 tig, + 1).
+//   * Epilogue: the accumulators rounded to 16 bits (split-K: fp32) into the ring's shared memory, and from
+//     there to C by one bulk tensor store (TMA): whole rows, where the fragments' own stores cost 10-22%.
 //   * GEMM_SILU_MUL=1 (the MLP's gate/up): B is the merged [gate | up] matrix [2 I, K]; a CTA's BN rows are
 //     BN / 2 gate rows and the same BN / 2 up rows (two copies per stage), so one lane holds gate and up
 //     of the same column, and the epilogue writes out = silu(gate) * up [M, I] with exactly the arithmetic
@@ -41,13 +41,15 @@
 // order within a k-step): the same for every row, whatever M, the other rows or the launch. So a row's
 // result does not depend on the batch (cuBLAS picks its kernel, hence its order, from M).
 // Measured on an H200 (docs/benchmarks.md, 2026-12-02; bench gemm, the 8B layer at 256 rows): at cuBLAS's
-// speed, not past it: 6.18-6.24 against 6.00-6.06 ms for the step's 128 GEMMs, slower at 128 and 512 rows
-// (tiles chosen for 256). At q/k/v cuBLAS runs this very tiling, and Nsight Compute finds its tensor pipe
-// busy ~86% of the SM-active cycles against ~72% here: that gap is what is left to find. So the engine
-// keeps cuBLAS.
+// speed, not past it. With the fragments stored from registers, 6.04-6.24 ms against cuBLAS's 5.92-6.06 for
+// the step's 128 GEMMs; the same kernel with no store at all took 5.46-5.48, so the epilogue cost 10-22% a
+// GEMM (gate/up 93.3 -> 83.7 us). With the bulk tensor store: 5.81-6.01 ms against 5.80-5.88 (gate/up 87.4
+// against cuBLAS's 89.7, q/k/v and down level, o behind: 22.7-25.9 against 18.8-21.7 with split-K's reduce
+// launch). Still slower at 128 and 512 rows (tiles chosen for 256). So the engine keeps cuBLAS; what is left
+// is the epilogue itself (~0.3 ms a step: a persistent grid would run the next tile's loads under it).
 // Launch: grid (ceil(M / 128) rounded up to GEMM_CLUSTER, N / BN (SILU: I / (BN / 2)), splits), block 384,
 // dynamic shared memory gemm_shared_bytes (pagedref.kernels.build): STAGES x (128 + BN) rows of 128 bytes,
-// 1 KB of alignment slack, the mbarriers. Compile-time parameters (-D): PR_DTYPE (1 or 2), GEMM_BN, GEMM_STAGES, GEMM_SILU_MUL,
+// 1 KB of alignment slack, the mbarriers; STAGES at least gemm_min_stages (the fp32 epilogue tile fits). Compile-time parameters (-D): PR_DTYPE (1 or 2), GEMM_BN, GEMM_STAGES, GEMM_SILU_MUL,
 // GEMM_CLUSTER (1 or 2).
 #include "hopper.cuh"  // dtype.cuh, mbarriers, wgmma fences, descriptors
 
@@ -211,39 +213,57 @@ __device__ __forceinline__ scalar_t silu_mul(float gate, float up) {
   return from_float(a / (1.f + expf(-a)) * to_float(from_float(up)));
 }
 
-// The consumer warpgroup's epilogue: rows row_lo, row_lo + 8 of the tile (lane's grp), columns
-// 8 j + 2 tig (+1) of its accumulators. Rows at or past M are not written.
-__device__ __forceinline__ void store_tile(const float (&d)[BN / 2], scalar_t *__restrict__ c,
-                                           float *__restrict__ partial, int M, int ldc, int row_lo, int col0,
-                                           int tig) {
+// The epilogue, through shared memory and the copy engine (CUTLASS's TMA store): each consumer thread writes
+// its fragments (mma.m16n8k16's layout per warp: lane (grp, tig) holds rows grp, grp + 8 and columns 8 j + 2 tig,
+// + 1) into the tile, row-major [BM][W] in the ring (free once every k-step is consumed: no copy into it is
+// still in flight, the cluster neighbour's included), then one thread hands the whole tile to a bulk tensor
+// store, which writes whole rows and clips rows at or past M. Measured (H200, bench gemm, M = 256): the
+// fragments' own stores (16 scattered bytes per row and instruction) cost 10-22% of each GEMM; without any
+// store gate/up took 83.7 us against 93.3.
+// What is staged: split-K partials in fp32 (the reduce kernel rounds), else the output rounded to 16 bits
+// (SILU: silu(gate) * up, W = BN / 2: fused_ops.cu's silu_and_mul on the rounded gate and up).
+static_assert(BM * BN * 4 <= STAGES * STAGE_BYTES, "the fp32 epilogue tile must fit in the ring (kernels.build.gemm_min_stages)");
+
+__device__ __forceinline__ void stage_tile(const float (&d)[BN / 2], unsigned char *tile, bool fp32, int r, int tig) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int row = row_lo + 8 * half;
-    if (row >= M) continue;
-    if (GEMM_SILU_MUL) {
-      unsigned *dst = reinterpret_cast<unsigned *>(c + (long long)row * ldc + col0 + 2 * tig);
+    const int row = r + 8 * half;
+    if (fp32) {
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+        *reinterpret_cast<float2 *>(tile + ((long long)row * BN + 8 * j + 2 * tig) * 4) =
+            make_float2(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+    } else if (GEMM_SILU_MUL) {
 #pragma unroll
       for (int j = 0; j < BN / 16; ++j)
-        dst[4 * j] = (unsigned)silu_mul(d[4 * j + 2 * half], d[4 * (j + BN / 16) + 2 * half]) |
-                     (unsigned)silu_mul(d[4 * j + 2 * half + 1], d[4 * (j + BN / 16) + 2 * half + 1]) << 16;
-    } else if (partial != nullptr) {  // split-K: this split's fp32 sums (the reduce kernel rounds)
-      float2 *dst = reinterpret_cast<float2 *>(partial + (long long)row * ldc + col0 + 2 * tig);
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) dst[4 * j] = make_float2(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+        *reinterpret_cast<unsigned *>(tile + (row * (BN / 2) + 8 * j + 2 * tig) * 2) =
+            (unsigned)silu_mul(d[4 * j + 2 * half], d[4 * (j + BN / 16) + 2 * half]) |
+            (unsigned)silu_mul(d[4 * j + 2 * half + 1], d[4 * (j + BN / 16) + 2 * half + 1]) << 16;
     } else {
-      unsigned *dst = reinterpret_cast<unsigned *>(c + (long long)row * ldc + col0 + 2 * tig);
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) dst[4 * j] = pack2(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+      for (int j = 0; j < BN / 8; ++j)
+        *reinterpret_cast<unsigned *>(tile + (row * BN + 8 * j + 2 * tig) * 2) =
+            pack2(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
     }
   }
 }
 
+// The tile at src -> the box of `map` at (column c0, row c1, split c2); src may be reused (or the CTA leave)
+// once the copy engine has read it (wait_group.read).
+__device__ __forceinline__ void tma_store_tile(const TmaMap &map, unsigned src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+               "cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read 0;\n"
+               ::"l"(reinterpret_cast<unsigned long long>(&map)), "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+
 // a_map: A [M, K], box 64 x 128 rows; b_map: B [N, K] (SILU: [2 I, K]), box 64 x BN / 2 rows.
-// c [M, ldc] (SILU: ldc = I); partial [splits, M, ldc] fp32 when gridDim.z > 1, else null. up_row0: the
+// c_map: the output as [splits][M][ldc] (columns, rows, splits; box W x 128 x 1, no swizzle): C [M, ldc] in 16
+// bits (splits 1; SILU: ldc = I), or the fp32 partials [splits, M, ldc] when gridDim.z > 1. up_row0: the
 // first up row of the merged gate/up matrix (I; SILU only). num_k_steps = K / 64.
 extern "C" __global__ void __cluster_dims__(GEMM_CLUSTER, 1, 1) __launch_bounds__(3 * WG, 1) gemm_tn(
-    const __grid_constant__ TmaMap a_map, const __grid_constant__ TmaMap b_map, scalar_t *__restrict__ c,
-    float *__restrict__ partial, int M, int ldc, int num_k_steps, int up_row0) {
+    const __grid_constant__ TmaMap a_map, const __grid_constant__ TmaMap b_map,
+    const __grid_constant__ TmaMap c_map, int M, int num_k_steps, int up_row0) {
   extern __shared__ unsigned char smem_gemm[];
   // 1024-byte aligned (the swizzle atoms): STAGES x (A [128 rows], B [BN rows]), then full[], empty[].
   const unsigned base = (smem_u32(smem_gemm) + 1023u) & ~1023u;
@@ -269,6 +289,7 @@ extern "C" __global__ void __cluster_dims__(GEMM_CLUSTER, 1, 1) __launch_bounds_
     if (tid == 0) {
       prefetch_map(a_map);
       prefetch_map(b_map);
+      prefetch_map(c_map);
       const unsigned long long keep = l2_evict_last(), stream = l2_evict_first();
       int stage = 0, phase = 0;  // the ring's slot of k-step s and that slot's round, kept as counters
       for (int s = 0; s < steps; ++s) {
@@ -323,9 +344,12 @@ extern "C" __global__ void __cluster_dims__(GEMM_CLUSTER, 1, 1) __launch_bounds_
     wgmma_wait_all();
     fence_regs(d);
     const int grp = lane / 4, tig = lane % 4;
-    const int row_lo = m0 + 64 * cw + 16 * warp + grp;
-    const int col0 = tile_n * (GEMM_SILU_MUL ? BN / 2 : BN);
-    store_tile(d, c, splits > 1 ? partial + (long long)z * M * ldc : nullptr, M, ldc, row_lo, col0, tig);
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the other warpgroup's last wgmmas have read the ring too
+    stage_tile(d, smem_gemm + (base - smem_u32(smem_gemm)), splits > 1, 64 * cw + 16 * warp + grp, tig);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the copy engine reads what was written
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");                // by both consumer warpgroups
+    if (ctid == 0 && m0 < M)  // a padded row tile past M stores nothing
+      tma_store_tile(c_map, base, tile_n * (GEMM_SILU_MUL ? BN / 2 : BN), m0, z);
   }
   // No CTA leaves while its neighbour may still arrive on its barriers (the copies into it have all landed:
   // its consumers waited for them).

@@ -50,6 +50,15 @@
 //      flash-decoding's "last block reduces"), so no reduce launch follows; the same operations in
 //      the same order per output element as paged_attention_reduce, hence the same bits. Measured
 //      slower than the reduce launch in its first form (see merge_partitions).
+//   v3 with PDL=1 (a candidate, not the default): the reduce kernel is launched as v3's programmatic
+//      dependent (cuLaunchKernelEx, pagedref.kernels.driver): v3 lets it be scheduled early
+//      (griddepcontrol.launch_dependents) and the reduce waits for v3's end in the kernel
+//      (griddepcontrol.wait) before reading a partial: only its launch is hidden, so the same bits.
+//      Measured (H200, 2026-12-02): +0.5-0.7% at (64, 4096), -0.9-1.2% at (8, 32768), so not the default.
+//      Also measured that day and dropped: the partitions of a context merged inside a thread-block
+//      cluster through distributed shared memory (no partials in global memory, no reduce launch). It lost
+//      2% at (64, 4096) and 4% at (8, 32768) (clusters of 8 CTAs are placed as a unit, and that cost more
+//      than the reduce it saved), and racecheck flagged its writes into a CTA that might have exited.
 //   Bit-level consequences: every reduction runs in an order fixed by (HEAD_DIM, PARTITION_SIZE,
 //   THREADS_PER_TOKEN, NUM_THREADS) and by token index only, so a sequence's result is the same
 //   bits whatever physical blocks hold its K/V, whatever else is in the batch, and however the
@@ -68,7 +77,8 @@
 // MIN_CTAS_PER_SM (v2's and v3's register budget: __launch_bounds__'s second argument), ASYNC_COPY
 // (0/1), STAGES (depth of the cp.async ring), DECODE_MMA (0/1: compile v3), KV_LOAD_HINT (0/1: v3's
 // K/V loads skip L1 and prefetch whole 256-byte rows into L2), KV_PREFETCH (0/1: v3 asks L2 for the
-// slab after next), MERGE_IN_KERNEL (0/1: v3's last partition CTA merges; v3 takes merge counters).
+// slab after next), MERGE_IN_KERNEL (0/1: v3's last partition CTA merges; v3 takes merge counters), PDL
+// (0/1: v3 triggers its dependent launch early and the reduce waits for v3 in the kernel; sm_90).
 #include "common.cuh"
 
 #ifndef HEADS_PER_CTA
@@ -535,6 +545,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
 #ifndef MERGE_IN_KERNEL
 #define MERGE_IN_KERNEL 0
 #endif
+#ifndef PDL
+#define PDL 0  // v3 lets the reduce launch early (programmatic dependent launch; the reduce waits for v3's end)
+#endif
 #if DECODE_MMA
 static_assert(PR_DTYPE == 1 || PR_DTYPE == 2, "v3 (DECODE_MMA) needs 16-bit K/V: float16 or bfloat16");
 static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM >= 64, "v3 (DECODE_MMA) needs HEAD_DIM a multiple of 8, at least 64");
@@ -870,9 +883,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
     const int h = i / (HEAD_DIM / VEC), c = i % (HEAD_DIM / VEC);
     q_s[h][c] = h < G ? load16(q + ((long long)s * num_heads + head0 + h) * HEAD_DIM + c * VEC) : make_uint4(0u, 0u, 0u, 0u);
   }
+  const int num_parts = (ctx + PARTITION_SIZE - 1) / PARTITION_SIZE;
+#if PDL
+  // The reduce kernel may be scheduled from here on: it waits (griddepcontrol.wait) for this whole grid to
+  // finish and its writes to land before it reads a partial, so this only hides its launch.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
   if (start >= ctx) return;  // the whole CTA leaves together, before any barrier
   const int n = min(PARTITION_SIZE, ctx - start);
-  const int num_parts = (ctx + PARTITION_SIZE - 1) / PARTITION_SIZE;
   const int num_slabs = (n + SLAB - 1) / SLAB;
   const float scale_log2 = scale * LOG2E;
   const PartitionRows rows{blocks_s, n, num_kv_heads * HEAD_DIM, head0 / (num_heads / num_kv_heads) * HEAD_DIM};
@@ -1031,6 +1049,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_reduce
     const float *__restrict__ exp_sums, const int *__restrict__ context_lens, int num_heads, int max_parts) {
   __shared__ float w_s[REDUCE_CHUNK];  // a chunk of the partitions' weights
   __shared__ float red[NUM_WARPS];
+#if PDL && DECODE_MMA
+  // Launched as v3's programmatic dependent: wait until v3 has finished and its partials are visible. Every
+  // CTA waits, so this grid ends after v3 does and whatever follows it sees v3's outputs too.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
   const int s = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
   const int num_parts = (context_lens[s] + PARTITION_SIZE - 1) / PARTITION_SIZE;
   if (num_parts <= 1) return;  // v2 wrote this row directly

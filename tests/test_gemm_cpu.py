@@ -36,7 +36,8 @@ def test_a_tile_divides_its_weight_and_keeps_16_k_steps_a_split(n, k):
 
 def test_the_tile_depends_on_the_weight_and_the_device_only():
     # No batch size enters the rule: its signature has none, and the same weight always gets the same tile.
-    assert "m" not in gemm.gemm_tile.__code__.co_varnames[:gemm.gemm_tile.__code__.co_argcount]
+    code = gemm.gemm_tile.__wrapped__.__code__
+    assert "m" not in code.co_varnames[:code.co_argcount]
     assert gemm.gemm_tile(6144, 4096, num_sms=132) == gemm.gemm_tile(6144, 4096, num_sms=132)
 
 
@@ -47,6 +48,16 @@ def test_a_tile_that_divides_nothing_is_refused():
         GemmTile(80)
     with pytest.raises(ValueError, match="stages"):
         GemmTile(256, stages=5)  # 5 x 48 KB does not fit in 227 KB
+
+
+def test_which_tiles_fit_a_weight():
+    # One rule for the launcher and for bench gemm's --tiles: the width divides N; fused, each half-width
+    # divides gate and up, and K is not split.
+    assert gemm.tile_fits(GemmTile(128), 6144) and not gemm.tile_fits(GemmTile(128), 6208)
+    assert gemm.tile_fits(GemmTile(224), 28672, silu_mul=True)  # 112 divides 14336
+    assert not gemm.tile_fits(GemmTile(128, 2), 28672, silu_mul=True)
+    assert not gemm.tile_fits(GemmTile(256), 384, silu_mul=True)  # 128 does not divide 192
+    assert all(gemm.tile_fits(gemm.gemm_tile(n, k), n) for n, k in ((6144, 4096), (4096, 14336), (1024, 4096)))
 
 
 @pytest.mark.parametrize("bn", GEMM_WIDTHS)

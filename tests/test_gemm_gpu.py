@@ -56,6 +56,22 @@ def test_linear_matches_float64(bn, m, dtype):
     assert max_err(got, oracle(x, w)) < (4e-3 if dtype == torch.bfloat16 else 1e-3), f"bn={bn} m={m}"
 
 
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("bn", GEMM_WIDTHS)
+def test_the_epilogue_waits_for_both_warpgroups_last_products(bn, silu):
+    # The epilogue stages its tile in the ring's first bytes. With stages + 1 k-steps the last products read
+    # stage 0, so a warpgroup that wrote its rows while the other's last wgmmas still read that stage would
+    # corrupt them (found so: bn 192 and 224 at K = 1024 before the barrier).
+    tile = GemmTile(bn)
+    k = 64 * (tile.stages + 1)
+    x, w = operands(200, 2 * bn, k, torch.bfloat16, seed=bn + k)
+    if silu:
+        got = gemm.silu_mul_linear(x, w, tile=tile)
+        assert torch.equal(got, fused.silu_and_mul(gemm.linear(x, w, tile=tile)))
+    else:
+        assert max_err(gemm.linear(x, w, tile=tile), oracle(x, w)) < 4e-3, f"bn={bn} k={k}"
+
+
 @pytest.mark.parametrize("splits", [2, 3, 4])
 def test_split_k_matches_float64_and_is_fixed(splits):
     x, w = operands(256, 512, 4096, torch.bfloat16, seed=splits)

@@ -84,6 +84,27 @@ def test_candidate_tunings_differ_only_in_scheduling_or_stated_arithmetic():
     assert all(t.partition_size % 32 == 0 for t in build.CANDIDATES.values())
 
 
+def test_pdl_is_a_compile_time_knob_of_v3_only_when_asked_for():
+    # Off, the default config is exactly what it was (the same module, the same binary); on, PDL=1.
+    assert "PDL" not in dict(build.mma_decode_config("bfloat16", 128, 16, 4).defines)
+    assert ("PDL", 1) in build.mma_decode_config("bfloat16", 128, 16, 4, build.MmaTuning(pdl=True)).defines
+
+
+def test_driver_passes_each_argument_as_its_c_type():
+    import ctypes
+
+    from pagedref.kernels import driver
+
+    assert isinstance(driver._value(np.uint64(7)), ctypes.c_uint64)
+    assert isinstance(driver._value(np.int32(-1)), ctypes.c_int32)
+    assert driver._value(np.float32(0.5)).value == 0.5
+    with pytest.raises(TypeError, match="kernel argument"):
+        driver._value(3)  # a bare int: its C type would be a guess
+    # CUlaunchConfig / CUlaunchAttribute as cuda.h lays them out on a 64-bit host.
+    assert ctypes.sizeof(driver._Attribute) == 72 and driver._Config.stream.offset == 32
+    assert ctypes.sizeof(driver._Config) == 56
+
+
 @pytest.fixture
 def p():
     return T.make_problem([40, 5, 100], [3, 1, 10], head_dim=16, device="cpu", seed=0)

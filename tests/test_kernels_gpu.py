@@ -108,8 +108,8 @@ def test_every_candidate_tuning(name, dtype):
     p = T.make_problem([1, 500, 1100, 3000], num_heads=8, num_kv_heads=2, head_dim=128, dtype=dtype, seed=17)
     out = decode(p, version=tuning.version, tuning=tuning, out=torch.full_like(p.q, float("nan")))
     check(out, p, dtype)
-    if tuning.version == 3:  # the reduce kernel merges (merge_in_kernel is a schedule: same bits)
-        same_arithmetic = build.MmaTuning(partition_size=tuning.partition_size, merge_in_kernel=False)
+    if tuning.version == 3:  # the reduce kernel merges (merge_in_kernel and pdl are schedules: same bits)
+        same_arithmetic = build.MmaTuning(partition_size=tuning.partition_size)
     else:
         same_arithmetic = build.DecodeTuning(partition_size=tuning.partition_size,
                                              threads_per_token=tuning.threads_per_token or 8)
@@ -182,29 +182,36 @@ def test_tensor_core_decode_does_not_depend_on_block_placement(block_size):
     assert T.same_bits(decode(p, version=3), decode(T.permute_blocks(p, seed=19), version=3))
 
 
-def merged(partition_size: int, merge_in_kernel: bool) -> build.MmaTuning:
-    return build.MmaTuning(partition_size=partition_size, merge_in_kernel=merge_in_kernel)
+# The schedules of the merge, each the reduce kernel's bits: the last partition CTA merges (ticket counters),
+# or the reduce kernel is launched as v3's programmatic dependent (PDL: resident before v3 ends, it waits for it).
+SCHEDULES = {"in kernel": dict(merge_in_kernel=True), "pdl": dict(pdl=True)}
 
 
+def merged(partition_size: int, schedule: str | None = None) -> build.MmaTuning:
+    return build.MmaTuning(partition_size=partition_size, **SCHEDULES.get(schedule, {}))
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("partition_size", [512, 1024, 2048])
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,block_size,dtype",
                          [(128, 32, 8, 16, torch.bfloat16), (64, 6, 2, 8, torch.float16), (120, 16, 2, 32, torch.bfloat16)])
-def test_merge_in_kernel_is_bitwise_the_reduce_kernel(partition_size, head_dim, num_heads, num_kv_heads, block_size,
-                                                      dtype):
-    # The last partition CTA of each (sequence, head group) to finish merges with the reduce kernel's
-    # operations in its order: the reduce kernel's bits, whichever CTA comes last, under any block
-    # placement and batch. Contexts: one partition (written directly), exactly one, one token more, a
-    # partial last one, several; a second launch gives the same bits (the counters went back to 0).
+def test_merge_schedules_are_bitwise_the_reduce_kernel(schedule, partition_size, head_dim, num_heads, num_kv_heads,
+                                                       block_size, dtype):
+    # Each schedule merges with the reduce kernel's operations in its order: the reduce kernel's bits,
+    # whichever CTA comes last or however early the reduce starts, under any block placement and batch.
+    # Contexts: one partition (written directly), exactly one, one token more, a partial last one, 8 and 11
+    # partitions; a second launch gives the same bits (the counters went back to 0).
     P = partition_size
-    p = T.make_problem([1, P, P + 1, 3 * P - 5, 7 * P + 100, 40], num_heads=num_heads, num_kv_heads=num_kv_heads,
-                       head_dim=head_dim, block_size=block_size, dtype=dtype, seed=P + head_dim)
-    two_launch = decode(p, tuning=merged(P, False))
+    p = T.make_problem([1, P, P + 1, 3 * P - 5, 7 * P + 100, 40, 11 * P - 3], num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
+                       seed=P + head_dim)
+    two_launch = decode(p, tuning=merged(P))
     check(two_launch, p, dtype)
-    fused = merged(P, True)
+    fused = merged(P, schedule)
     for _ in range(2):
         assert T.same_bits(decode(p, tuning=fused, out=torch.full_like(p.q, float("nan"))), two_launch)
     assert T.same_bits(decode(T.permute_blocks(p, seed=P), tuning=fused), two_launch)
-    for seqs in ([4], [3, 0, 4], [5, 2, 1]):
+    for seqs in ([4], [3, 0, 4], [5, 2, 1], [2, 5], [6, 1]):
         assert T.same_bits(decode(T.select(p, seqs), tuning=fused), two_launch[torch.tensor(seqs, device="cuda")])
 
 
@@ -212,19 +219,21 @@ def test_merge_in_kernel_over_many_partitions():
     # 79 and 40 partitions of 512: the merge's weights pass through shared memory 32 partitions at a time.
     p = T.make_problem([40000, 20000, 700], num_heads=8, num_kv_heads=1, head_dim=128, block_size=32,
                        dtype=torch.bfloat16, seed=32)
-    out = decode(p, tuning=merged(512, True))
+    out = decode(p, tuning=merged(512, "in kernel"))
     check(out, p, torch.bfloat16)
-    assert T.same_bits(out, decode(p, tuning=merged(512, False)))
+    assert T.same_bits(out, decode(p, tuning=merged(512)))
 
 
-def test_merge_in_kernel_replays_in_a_cuda_graph():
-    # A captured launch replays with its counters zero each time: new queries and a new block placement
-    # copied into the captured buffers give the two-launch kernel's bits on every replay.
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_merge_schedules_replay_in_a_cuda_graph(schedule):
+    # A captured launch replays (its counters zero each time; its programmatic dependency captured as a
+    # graph edge): new queries and a new block placement copied into the captured buffers give the
+    # two-launch kernel's bits on every replay.
     p = T.make_problem([3000, 700, 2100, 5], num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, seed=33)
     out = torch.empty_like(p.q)
 
     def run():
-        decode(p, tuning=merged(1024, True), out=out, max_context_len=3000, check=False)
+        decode(p, tuning=merged(1024, schedule), out=out, max_context_len=3000, check=False)
     run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -236,7 +245,7 @@ def test_merge_in_kernel_replays_in_a_cuda_graph():
             getattr(p, name).copy_(getattr(moved, name))
         p.q.copy_(torch.randn(p.q.shape, generator=torch.Generator().manual_seed(seed)).to(p.q))
         graph.replay()
-        assert T.same_bits(out, decode(p, tuning=merged(1024, False)))
+        assert T.same_bits(out, decode(p, tuning=merged(1024)))
 
 
 def metadata(p: T.PagedProblem, slot_mapping: torch.Tensor) -> AttentionMetadata:

@@ -125,8 +125,7 @@ def calls(mode: str, silu: bool, n: int, k: int, tiles: list | None):
         return [("", lambda x, w, y, h: torch.matmul(x, w.t(), out=y))]
     from pagedref.kernels import gemm
 
-    found = [("", None)] + [(tile_label(t), t) for t in tiles or []
-                            if (n // 2 % (t.bn // 2) == 0 and t.splits == 1 if silu else n % t.bn == 0)]
+    found = [("", None)] + [(tile_label(t), t) for t in tiles or [] if gemm.tile_fits(t, n, silu)]
     if silu:
         return [(label, lambda x, w, y, h, t=t: gemm.silu_mul_linear(x, w, out=h, tile=t)) for label, t in found]
     return [(label, lambda x, w, y, h, t=t: gemm.linear(x, w, out=y, tile=t)) for label, t in found]

@@ -74,6 +74,7 @@ class MmaTuning:
     load_hint: bool = False  # K/V loads skip L1 and ask L2 for whole 256-byte rows
     prefetch: bool = False  # each warp asks L2 for its slab after next (costs ~6 registers: take 3 CTAs per SM)
     merge_in_kernel: bool = False  # the last partition CTA to finish merges (no reduce launch); same bits
+    pdl: bool = False  # the reduce kernel launches while v3 runs and waits for it in-kernel (sm_90); same bits
 
 
 def decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta: int,
@@ -99,7 +100,7 @@ def mma_decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta:
         ("PR_DTYPE", DTYPE_CODES[dtype]), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),
         ("HEADS_PER_CTA", heads_per_cta), ("PARTITION_SIZE", tuning.partition_size), ("MIN_CTAS_PER_SM", min_ctas),
         ("KV_LOAD_HINT", int(tuning.load_hint)), ("KV_PREFETCH", int(tuning.prefetch)), ("DECODE_MMA", 1),
-        *((("MERGE_IN_KERNEL", 1),) if tuning.merge_in_kernel else ())))
+        *((("MERGE_IN_KERNEL", 1),) if tuning.merge_in_kernel else ()), *((("PDL", 1),) if tuning.pdl else ())))
 
 
 # Candidate tunings the benchmark times at every shape and the GPU tests check (16-bit K/V, head_dim
@@ -126,6 +127,9 @@ CANDIDATES: dict[str, DecodeTuning | MmaTuning] = {
     "v3 mma merge in kernel": MmaTuning(merge_in_kernel=True),
     "v3 mma p2048 merge in kernel": MmaTuning(partition_size=2048, merge_in_kernel=True),
     "v3 mma p4096 merge in kernel": MmaTuning(partition_size=4096, merge_in_kernel=True),
+    # the reduce launched as v3's programmatic dependent (PDL): it is resident while v3 ends, the same bits
+    "v3 mma pdl": MmaTuning(pdl=True),
+    "v3 mma p2048 pdl": MmaTuning(partition_size=2048, pdl=True),
 }
 
 
@@ -232,8 +236,9 @@ class GemmTile:
             raise ValueError(f"tile width bn must be one of {GEMM_WIDTHS}, got {self.bn}")
         if self.stages is None:
             object.__setattr__(self, "stages", gemm_max_stages(self.bn))
-        if not 1 <= self.splits <= 8 or not 2 <= self.stages <= gemm_max_stages(self.bn) or self.cluster not in (1, 2):
-            raise ValueError(f"splits must be 1..8, stages 2..{gemm_max_stages(self.bn)} (what fits at bn = {self.bn}) "
+        low, high = gemm_min_stages(self.bn), gemm_max_stages(self.bn)
+        if not 1 <= self.splits <= 8 or not low <= self.stages <= high or self.cluster not in (1, 2):
+            raise ValueError(f"splits must be 1..8, stages {low}..{high} (what fits at bn = {self.bn}) "
                              f"and cluster 1 or 2, got {self.splits}, {self.stages} and {self.cluster}")
 
 
@@ -244,6 +249,12 @@ def gemm_shared_bytes(tile: GemmTile) -> int:
 
 def _gemm_shared_bytes(bn: int, stages: int) -> int:
     return stages * (GEMM_BM + bn) * GEMM_BK * 2 + 1024 + 16 * stages
+
+
+def gemm_min_stages(bn: int) -> int:
+    """The shallowest ring that holds the epilogue's tile: GEMM_BM x bn fp32 partials (split-K; the 16-bit
+    output is half that), staged in the ring before the bulk tensor store."""
+    return max(2, -(-GEMM_BM * bn * 4 // ((GEMM_BM + bn) * GEMM_BK * 2)))
 
 
 def gemm_max_stages(bn: int, limit: int = 227 * 1024) -> int:

@@ -4,9 +4,10 @@ One idea: at a serving batch the step's time is its weight GEMMs, and cuBLAS's t
 unevenly at the model's widths (`python -m pagedref.bench gemm`). This launcher runs the project's own
 warp-specialised wgmma kernel, TMA copies into a ring of shared-memory stages, with a tile width and a
 split of K chosen from the weight's shape (`gemm_tile`), and can fuse SwiGLU's silu(gate) * up into the
-gate/up GEMM's epilogue (`silu_mul_linear`). Measured on an H200 (docs/benchmarks.md, 2026-12-02) it runs
-the 8B step's GEMMs at cuBLAS's speed, not past it, so the engine keeps cuBLAS; this is the kernel, its
-benchmark (`bench gemm --modes pagedref`) and its tests.
+gate/up GEMM's epilogue (`silu_mul_linear`). The epilogue stages the tile in shared memory and writes it
+with one bulk tensor store (a third TMA descriptor, the output's). Measured on an H200 (docs/benchmarks.md,
+2026-12-02) it runs the 8B step's GEMMs at cuBLAS's speed, not past it, so the engine keeps cuBLAS; this
+is the kernel, its benchmark (`bench gemm --modes pagedref`) and its tests.
 
 Invariant: a row's output depends only on that row and the weight: the tile and the split are functions
 of (N, K) and the device's SM count, never of M, so the bits of a token's row are the same in any batch
@@ -15,7 +16,7 @@ error plus one rounding to 16 bits. Launches go on torch's current stream (graph
 
 The TMA descriptors (CUtensorMap, 128 bytes) are encoded on the host by the driver
 (cuTensorMapEncodeTiled) and passed by value, so a captured graph holds them; the kernel is launched
-through the driver's cuLaunchKernel for the same reason (CuPy passes no 128-byte arguments).
+through the driver's cuLaunchKernelEx (kernels.driver) for the same reason (CuPy passes no 128-byte arguments).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import functools
 import numpy as np
 import torch
 
-from pagedref.kernels import build, launch, validate
+from pagedref.kernels import build, driver, launch, validate
 from pagedref.kernels.build import GEMM_BK as BK
 from pagedref.kernels.build import GEMM_BM as BM
 from pagedref.kernels.build import GEMM_WIDTHS as WIDTHS
@@ -35,10 +36,11 @@ from pagedref.kernels.build import GemmTile, gemm_config, gemm_shared_bytes
 CAPABILITY = (9, 0)
 THREADS = 384
 REDUCE_THREADS = 256
-_TMA_DTYPES = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+_TMA_DTYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_*
 _SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
 
 
+@functools.lru_cache(maxsize=None)
 def gemm_tile(n: int, k: int, num_sms: int = 132, silu_mul: bool = False) -> GemmTile:
     """The tiling of an [n, k] weight (silu_mul: the merged [gate | up] weight, n = 2 I), from its shape and
     the SM count alone: the CTAs of a 256-row batch (two row tiles) should fill whole waves; then a width of
@@ -67,7 +69,7 @@ def gemm_tile(n: int, k: int, num_sms: int = 132, silu_mul: bool = False) -> Gem
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` runs here: an sm_90 device, 16-bit x [M, K] and weight [N, K] of one
     dtype, K a multiple of 64 and N of some tile width, rows 16-byte aligned (TMA's rule)."""
-    if not (x.is_cuda and weight.is_cuda and x.dtype in _TMA_DTYPES and weight.dtype == x.dtype):
+    if not (x.is_cuda and weight.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype):
         return False
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[1] % BK:
         return False
@@ -80,45 +82,44 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 # --- the driver: TMA descriptors and the launch -------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def _driver():
-    lib = ctypes.CDLL("libcuda.so.1")
-    u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
-    lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p,
-                                           u64p, u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
-    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 6, ctypes.c_uint, ctypes.c_void_p,
-                                   ctypes.c_void_p, ctypes.c_void_p]
-    lib.cuLaunchKernel.restype = ctypes.c_int
-    return lib
-
-
 class _TmaMap(ctypes.Structure):  # CUtensorMap: 128 opaque bytes (a kernel parameter, copied at launch)
     _fields_ = [("w", ctypes.c_uint64 * 16)]
 
 
 @functools.lru_cache(maxsize=4096)
-def _tensor_map(ptr: int, rows: int, cols: int, row_stride: int, box_rows: int, dtype: torch.dtype) -> _TmaMap:
-    """The descriptor of a row-major [rows, cols] 16-bit matrix at ptr, read in boxes of 64 columns
-    (128 bytes: one swizzle row) x box_rows rows, 128-byte swizzled. Its bytes depend only on these
-    arguments, so a cached one is right for any tensor with them."""
+def _tensor_map(ptr: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...], dtype: torch.dtype,
+                swizzle: int) -> _TmaMap:
+    """The descriptor of a tensor at ptr: `dims` innermost first (elements), the byte `strides` of the outer
+    ones, read or written in boxes of `box` elements. Its bytes depend only on these arguments, so a cached
+    one is right for any tensor with them."""
     scratch = ctypes.create_string_buffer(128 + 64)  # the driver writes a 64-byte aligned CUtensorMap
     aligned = (ctypes.addressof(scratch) + 63) & ~63
-    dims = (ctypes.c_uint64 * 2)(cols, rows)
-    strides = (ctypes.c_uint64 * 1)(row_stride * 2)
-    box = (ctypes.c_uint32 * 2)(BK, box_rows)
-    steps = (ctypes.c_uint32 * 2)(1, 1)
-    rc = _driver().cuTensorMapEncodeTiled(aligned, _TMA_DTYPES[dtype], 2, ctypes.c_void_p(ptr), dims, strides,
-                                          box, steps, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
+    rank = len(dims)
+    rc = driver.lib().cuTensorMapEncodeTiled(
+        aligned, _TMA_DTYPES[dtype], rank, ctypes.c_void_p(ptr), (ctypes.c_uint64 * rank)(*dims),
+        (ctypes.c_uint64 * (rank - 1))(*strides), (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*[1] * rank),
+        0, swizzle, _L2_PROMOTION_256B, 0)
     if rc != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for [{rows}, {cols}] box {box_rows} rows")
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for dims {dims}, box {box}, {dtype}")
     m = _TmaMap()
     ctypes.memmove(ctypes.addressof(m), aligned, 128)
     return m
 
 
 def _matrix_map(t: torch.Tensor, box_rows: int) -> _TmaMap:
-    return _tensor_map(t.data_ptr(), t.shape[0], t.shape[1], t.stride(0), box_rows, t.dtype)
+    """An operand [rows, K], read in 128-byte swizzled boxes of 64 columns (one swizzle row) x box_rows rows."""
+    return _tensor_map(t.data_ptr(), (t.shape[1], t.shape[0]), (t.stride(0) * t.element_size(),), (BK, box_rows),
+                       t.dtype, _SWIZZLE_128B)
+
+
+def _output_map(t: torch.Tensor, box_cols: int) -> _TmaMap:
+    """The output, C [M, N] or the split-K partials [splits, M, N], as [splits][M][N] written in boxes of
+    box_cols x BM x 1 (no swizzle: the epilogue stages its tile row-major); rows past M are not written."""
+    t3 = t if t.dim() == 3 else t.unsqueeze(0)
+    splits, rows, cols = t3.shape
+    size = t.element_size()
+    return _tensor_map(t.data_ptr(), (cols, rows, splits), (cols * size, rows * cols * size), (box_cols, BM, 1),
+                       t.dtype, 0)
 
 
 def _launch_gemm(config: build.KernelConfig, tile: GemmTile, grid: tuple[int, int, int], args: list, device) -> None:
@@ -128,69 +129,66 @@ def _launch_gemm(config: build.KernelConfig, tile: GemmTile, grid: tuple[int, in
     smem = gemm_shared_bytes(tile)
     if kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem
-    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    stream = torch.cuda.current_stream(device).cuda_stream
     with cupy.cuda.Device(device.index):
-        rc = _driver().cuLaunchKernel(kernel.kernel.ptr, *grid, THREADS, 1, 1, smem, stream, params, None)
-    if rc != 0:
-        raise RuntimeError(f"cuLaunchKernel(gemm_tn) failed with CUresult {rc}")
+        driver.launch(kernel, grid, THREADS, args, torch.cuda.current_stream(device).cuda_stream, shared_mem=smem)
 
 
 # --- the public calls ---------------------------------------------------------------------------------
 
-def _check(x: torch.Tensor, weight: torch.Tensor, name: str) -> None:
-    validate.require_cuda(x, "x")
-    if not supported(x, weight):
-        raise ValueError(f"{name}: needs an sm_90 GPU, float16/bfloat16 x [M, K] and weight [N, K] of one dtype, "
-                         f"K a multiple of {BK}, N of 64, 16-byte aligned rows; got x {tuple(x.shape)} {x.dtype}, "
-                         f"weight {tuple(weight.shape)} {weight.dtype}")
+def tile_fits(tile: GemmTile, n: int, silu_mul: bool = False) -> bool:
+    """Whether `tile` can compute an [n, K] weight: its width divides N (silu_mul: its half-width divides
+    each of gate and up, n = 2 I, and the fused epilogue takes no split of K)."""
+    if silu_mul:
+        return n % 2 == 0 and (n // 2) % (tile.bn // 2) == 0 and tile.splits == 1
+    return n % tile.bn == 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,
            tile: GemmTile | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype (F.linear without bias). `tile` is for
     benchmarks; None: gemm_tile(N, K), the weight's own."""
-    _check(x, weight, "gemm.linear")
-    m, k = x.shape
-    n = weight.shape[0]
-    tile = tile or gemm_tile(n, k, _num_sms(x.device))
-    if n % tile.bn:
-        raise ValueError(f"gemm.linear: tile width {tile.bn} does not divide N = {n}")
-    out = _output(out, (m, n), x)
-    if m == 0:
-        return out
-    partial = torch.empty((tile.splits, m, n), dtype=torch.float32, device=x.device) if tile.splits > 1 else None
-    args = [_matrix_map(x, BM), _matrix_map(weight, tile.bn // 2), ctypes.c_void_p(out.data_ptr()),
-            ctypes.c_void_p(0 if partial is None else partial.data_ptr()), ctypes.c_int(m), ctypes.c_int(n),
-            ctypes.c_int(k // BK), ctypes.c_int(0)]
-    config = gemm_config(validate.DTYPE_NAMES[x.dtype], tile)
-    _launch_gemm(config, tile, (_row_tiles(m, tile), n // tile.bn, tile.splits), args, x.device)
-    if partial is not None:
-        count = m * n
-        launch._launch(config, "gemm_splitk_reduce", x.device, (-(-count // 4 // REDUCE_THREADS),),
-                       (launch._ptr(out), launch._ptr(partial), np.int32(tile.splits), np.int64(count)),
-                       threads=REDUCE_THREADS)
-    return out
+    return _gemm(x, weight, out, tile, silu_mul=False)
 
 
 def silu_mul_linear(x: torch.Tensor, gate_up: torch.Tensor, *, out: torch.Tensor | None = None,
                     tile: GemmTile | None = None) -> torch.Tensor:
     """SwiGLU's first half in one kernel: x [M, K], gate_up [2 I, K] (gate rows, then up rows) ->
     silu(x gate^T) * (x up^T) [M, I], bit for bit `fused.silu_and_mul(linear(x, gate_up))`."""
-    _check(x, gate_up, "gemm.silu_mul_linear")
+    return _gemm(x, gate_up, out, tile, silu_mul=True)
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, tile: GemmTile | None,
+          silu_mul: bool) -> torch.Tensor:
+    """Check, pick the tile, launch the GEMM (and, split over K, the reduce of its fp32 partials)."""
+    name = "gemm.silu_mul_linear" if silu_mul else "gemm.linear"
+    validate.require_cuda(x, "x")
+    if not supported(x, weight):
+        raise ValueError(f"{name}: needs an sm_90 GPU, float16/bfloat16 x [M, K] and weight [N, K] of one dtype, "
+                         f"K a multiple of {BK}, N of 64, 16-byte aligned rows; got x {tuple(x.shape)} {x.dtype}, "
+                         f"weight {tuple(weight.shape)} {weight.dtype}")
     m, k = x.shape
-    inter = gate_up.shape[0] // 2
-    tile = tile or gemm_tile(2 * inter, k, _num_sms(x.device), silu_mul=True)
-    if gate_up.shape[0] % 2 or inter % (tile.bn // 2) or tile.splits != 1:
-        raise ValueError(f"gemm.silu_mul_linear: {gate_up.shape[0]} gate/up rows do not split into tiles of "
-                         f"{tile.bn // 2} (and the fused epilogue takes no split of K)")
-    out = _output(out, (m, inter), x)
+    n = weight.shape[0]
+    tile = tile or gemm_tile(n, k, _num_sms(x.device), silu_mul=silu_mul)
+    if not tile_fits(tile, n, silu_mul):
+        raise ValueError(f"{name}: tile width {tile.bn} does not divide a weight of {n} rows"
+                         + (f" into gate and up halves of {tile.bn // 2}, with no split of K (split {tile.splits})"
+                            if silu_mul else ""))
+    cols = n // 2 if silu_mul else n  # the output's columns: I, or N
+    out = _output(out, (m, cols), x)
     if m == 0:
         return out
-    args = [_matrix_map(x, BM), _matrix_map(gate_up, tile.bn // 2), ctypes.c_void_p(out.data_ptr()),
-            ctypes.c_void_p(0), ctypes.c_int(m), ctypes.c_int(inter), ctypes.c_int(k // BK), ctypes.c_int(inter)]
-    config = gemm_config(validate.DTYPE_NAMES[x.dtype], tile, silu_mul=True)
-    _launch_gemm(config, tile, (_row_tiles(m, tile), inter // (tile.bn // 2), 1), args, x.device)
+    partial = torch.empty((tile.splits, m, n), dtype=torch.float32, device=x.device) if tile.splits > 1 else None
+    width = tile.bn // 2 if silu_mul else tile.bn  # the output columns of one tile
+    args = [_matrix_map(x, BM), _matrix_map(weight, tile.bn // 2),
+            _output_map(out if partial is None else partial, width), ctypes.c_int(m), ctypes.c_int(k // BK),
+            ctypes.c_int(cols if silu_mul else 0)]
+    config = gemm_config(validate.DTYPE_NAMES[x.dtype], tile, silu_mul=silu_mul)
+    _launch_gemm(config, tile, (_row_tiles(m, tile), cols // width, tile.splits), args, x.device)
+    if partial is not None:
+        count = m * n
+        launch._launch(config, "gemm_splitk_reduce", x.device, (-(-count // 4 // REDUCE_THREADS),),
+                       (launch._ptr(out), launch._ptr(partial), np.int32(tile.splits), np.int64(count)),
+                       threads=REDUCE_THREADS)
     return out
 
 
@@ -202,8 +200,9 @@ def _row_tiles(m: int, tile: GemmTile) -> int:
 def _output(out: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=x.dtype, device=x.device)
-    if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {shape} {x.dtype} tensor on {x.device}, got "
+    if (tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous()
+            or out.data_ptr() % 16):
+        raise ValueError(f"out must be a contiguous, 16-byte aligned {shape} {x.dtype} tensor on {x.device}, got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     return out
 

@@ -13,12 +13,13 @@ partitions, never the partition size, so a sequence's result does not depend on 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
 import torch
 
-from pagedref.kernels import build, validate
+from pagedref.kernels import build, driver, validate
 from pagedref.kernels.splitk import (NUM_THREADS, PREFILL_MMA_ROWS, PREFILL_ROWS, heads_per_cta, mma_supported,
                                      num_partitions, prefill_mma_shared_bytes)
 
@@ -40,14 +41,20 @@ def _external_stream(ptr: int, device: int):
 
 
 def _launch(config: build.KernelConfig, name: str, device: torch.device, grid: tuple, args: tuple,
-            shared_mem: int = 0, threads: int = NUM_THREADS) -> None:
-    """Launch `name` of `config` on torch's current stream of `device`."""
+            shared_mem: int = 0, threads: int = NUM_THREADS, pdl: bool = False) -> None:
+    """Launch `name` of `config` on torch's current stream of `device` (pdl: as a programmatic dependent
+    launch, through the driver: kernels.driver)."""
     import cupy
 
     kernel = build.function(config, name)
     if shared_mem > _STATIC_SMEM_LIMIT and kernel.max_dynamic_shared_size_bytes < shared_mem:
         kernel.max_dynamic_shared_size_bytes = shared_mem
-    stream = _external_stream(torch.cuda.current_stream(device).cuda_stream, device.index)
+    torch_stream = torch.cuda.current_stream(device).cuda_stream
+    if pdl:
+        with cupy.cuda.Device(device.index):
+            driver.launch(kernel, grid, threads, args, torch_stream, shared_mem=shared_mem, pdl=True)
+        return
+    stream = _external_stream(torch_stream, device.index)
     with cupy.cuda.Device(device.index), stream:
         kernel(grid, (threads,), args, shared_mem=shared_mem)
 
@@ -76,6 +83,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"decode takes one query row per sequence: q has {q.shape[0]} rows for {shape.num_seqs} sequences")
     version, tuning = _decode_kernel(version, tuning, q.element_size(), shape.head_dim)
     validate.require_cuda(q, "q")
+    if version == 3 and tuning.pdl and _capability(q.device) < (9, 0):
+        tuning = dataclasses.replace(tuning, pdl=False)  # sm_90's; a schedule: the same bits without it
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if shape.num_seqs else 0
     if check:
@@ -115,7 +124,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if max_parts > 1 and not merge_in_kernel:
         _launch(config, "paged_attention_reduce", q.device, (shape.num_seqs, shape.num_heads),
                 (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(context_lens),
-                 np.int32(shape.num_heads), np.int32(max_parts)))
+                 np.int32(shape.num_heads), np.int32(max_parts)), pdl=version == 3 and tuning.pdl)
     return out
 
 

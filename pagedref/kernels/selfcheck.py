@@ -61,6 +61,9 @@ def check_attention(head_dims: set[int] | None = None, only: str | list[str] | N
     dec = testing.make_problem([1, 1100, 17000], num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16)
     runs += [("decode v3 merge in kernel, p512, 34 partitions", dec,
               lambda p=dec: run_decode(p, version=3, tuning=merge))]
+    # The reduce kernel as v3's programmatic dependent: resident before v3 ends, it waits for v3 in the kernel.
+    pdl = MmaTuning(partition_size=512, pdl=True)
+    runs += [("decode v3 pdl, p512, 34 partitions", dec, lambda p=dec: run_decode(p, version=3, tuning=pdl))]
     # v3's other shapes: block_size 8 (a 16-token slab spans two blocks), head_dim 64 and 256, 3 and
     # 8 query heads per CTA (empty mma columns; all eight used).
     for dtype, head_dim, block_size, num_heads in ((torch.float16, 64, 8, 6), (torch.bfloat16, 256, 16, 16)):

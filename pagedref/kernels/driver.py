@@ -1,0 +1,80 @@
+"""The CUDA driver's launch with attributes, through ctypes: what CuPy's RawKernel cannot ask for.
+
+One idea: two things a kernel launch here needs, CuPy's launcher does not pass:
+  - programmatic dependent launch (PDL), a launch attribute of the driver's cuLaunchKernelEx: a kernel that
+    may start while the one before it on the stream is still running, and waits for it in the kernel
+    (`griddepcontrol.wait`) before reading what it wrote (decode v3's reduce, as a candidate);
+  - by-value arguments of any size (the GEMM's 128-byte TMA descriptors).
+A launch goes on the given stream exactly as a CuPy launch would, so torch orders it and a CUDA graph
+captures it (with its attributes: a captured PDL launch becomes a programmatic edge of the graph).
+
+Invariant: every argument is passed as the ctypes value of the kernel parameter's own type (a device
+pointer as uint64, int as int32, float as float32); a failed launch raises with the driver's error code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
+
+
+class _Attribute(ctypes.Structure):  # CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint32 * 16)]
+
+
+class _Config(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint)]
+
+
+@functools.lru_cache(maxsize=None)
+def lib():
+    """libcuda with the prototypes this package calls (the launch here, TMA encoding in kernels.gemm)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+    cuda.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p,
+                                            u64p, u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    cuda.cuTensorMapEncodeTiled.restype = ctypes.c_int
+    cuda.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    cuda.cuLaunchKernelEx.restype = ctypes.c_int
+    return cuda
+
+
+_CTYPES = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_int64,
+           np.dtype(np.int32): ctypes.c_int32, np.dtype(np.float32): ctypes.c_float}
+
+
+def _value(arg):
+    """A kernel argument as a ctypes value: ctypes values as they are, numpy scalars by their dtype."""
+    if isinstance(arg, (ctypes._SimpleCData, ctypes.Structure)):
+        return arg
+    if isinstance(arg, np.generic) and arg.dtype in _CTYPES:
+        return _CTYPES[arg.dtype](arg.item())
+    raise TypeError(f"a kernel argument must be a ctypes value or a numpy uint64/int64/int32/float32 scalar, "
+                    f"got {type(arg).__name__}")
+
+
+def launch(kernel, grid: tuple[int, ...], block: int, args, stream: int, *, shared_mem: int = 0,
+           pdl: bool = False) -> None:
+    """Launch `kernel` (a cupy RawKernel) on `stream` (a CUstream handle), in the current device's context.
+    pdl: this launch may begin before the previous kernel on the stream ends (the kernel must
+    griddepcontrol.wait before its dependent reads, in every CTA)."""
+    values = [_value(a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    attrs = []
+    if pdl:
+        attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value[0] = 1
+        attrs.append(attr)
+    array = (_Attribute * max(len(attrs), 1))(*attrs)
+    grid3 = (*grid, 1, 1)[:3]
+    config = _Config((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(block, 1, 1), shared_mem, stream,
+                     array, len(attrs))
+    rc = lib().cuLaunchKernelEx(ctypes.byref(config), kernel.kernel.ptr, params, None)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchKernelEx({getattr(kernel, 'name', 'kernel')}) failed with CUresult {rc} (grid {grid3}, block {block}, "
+                           f"pdl {pdl})")
