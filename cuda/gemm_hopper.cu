@@ -283,6 +283,9 @@ extern "C" __global__ void __cluster_dims__(GEMM_CLUSTER, 1, 1) __launch_bounds_
   }
   cluster_sync();  // the neighbour's barriers exist before any copy or arrival reaches them
   const unsigned rank = GEMM_CLUSTER > 1 ? cluster_rank() : 0;
+  // Split-K's reduce is launched as this grid's programmatic dependent (pagedref.kernels.gemm): it may be
+  // scheduled once every CTA got here, and waits in the kernel for this grid's end before reading a partial.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
@@ -358,10 +361,12 @@ extern "C" __global__ void __cluster_dims__(GEMM_CLUSTER, 1, 1) __launch_bounds_
 }
 
 // out [M, n] = round(sum over z in order of partial[z] [M, n]): the split-K sums of gemm_tn, 4 columns a
-// thread. Launch: grid (ceil(M * n / 4 / 256)), block 256; n a multiple of 4.
+// thread. Launch: grid (ceil(M * n / 4 / 256)), block 256; n a multiple of 4; as gemm_tn's programmatic
+// dependent (its launch hidden under gemm_tn's last CTAs), so first it waits for gemm_tn's partials.
 extern "C" __global__ void __launch_bounds__(256) gemm_splitk_reduce(scalar_t *__restrict__ out,
                                                                     const float *__restrict__ partial,
                                                                     int splits, long long count) {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // every thread: this grid ends after gemm_tn's
   const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
   if (i >= count) return;
   float4 acc = *reinterpret_cast<const float4 *>(partial + i);

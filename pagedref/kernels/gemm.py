@@ -188,7 +188,7 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, tile:
         count = m * n
         launch._launch(config, "gemm_splitk_reduce", x.device, (-(-count // 4 // REDUCE_THREADS),),
                        (launch._ptr(out), launch._ptr(partial), np.int32(tile.splits), np.int64(count)),
-                       threads=REDUCE_THREADS)
+                       threads=REDUCE_THREADS, pdl=True)  # launched under gemm_tn's tail; waits for it
     return out
 
 
