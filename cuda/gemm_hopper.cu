@@ -49,8 +49,8 @@
 // is the epilogue itself (~0.3 ms a step: a persistent grid would run the next tile's loads under it).
 // Launch: grid (ceil(M / 128) rounded up to GEMM_CLUSTER, N / BN (SILU: I / (BN / 2)), splits), block 384,
 // dynamic shared memory gemm_shared_bytes (pagedref.kernels.build): STAGES x (128 + BN) rows of 128 bytes,
-// 1 KB of alignment slack, the mbarriers; STAGES at least gemm_min_stages (the fp32 epilogue tile fits). Compile-time parameters (-D): PR_DTYPE (1 or 2), GEMM_BN, GEMM_STAGES, GEMM_SILU_MUL,
-// GEMM_CLUSTER (1 or 2).
+// 1 KB of alignment slack, the mbarriers; STAGES at least gemm_min_stages (the fp32 epilogue tile fits).
+// Compile-time parameters (-D): PR_DTYPE (1 or 2), GEMM_BN, GEMM_STAGES, GEMM_SILU_MUL, GEMM_CLUSTER (1 or 2).
 #include "hopper.cuh"  // dtype.cuh, mbarriers, wgmma fences, descriptors
 
 #ifndef GEMM_BN
