@@ -45,8 +45,10 @@
 // the step's 128 GEMMs; the same kernel with no store at all took 5.46-5.48, so the epilogue cost 10-22% a
 // GEMM (gate/up 93.3 -> 83.7 us). With the bulk tensor store: 5.81-6.01 ms against 5.80-5.88 (gate/up 87.4
 // against cuBLAS's 89.7, q/k/v and down level, o behind: 22.7-25.9 against 18.8-21.7 with split-K's reduce
-// launch). Still slower at 128 and 512 rows (tiles chosen for 256). So the engine keeps cuBLAS; what is left
-// is the epilogue itself (~0.3 ms a step: a persistent grid would run the next tile's loads under it).
+// launch). Still slower at 128 and 512 rows (tiles chosen for 256). With SiLU fused into gate/up (89.9 us
+// against cuBLAS's 100.1 for gate/up then silu_and_mul) the engine's opt-in weight_gemm="pagedref" runs gate/up
+// and down here: its 8B decode step 8.46-8.66 ms against 8.75-9.03 with cuBLAS (docs/benchmarks.md,
+// 2026-12-02). What is left is the epilogue itself (a persistent grid would run the next tile's loads under it).
 // Launch: grid (ceil(M / 128) rounded up to GEMM_CLUSTER, N / BN (SILU: I / (BN / 2)), splits), block 384,
 // dynamic shared memory gemm_shared_bytes (pagedref.kernels.build): STAGES x (128 + BN) rows of 128 bytes,
 // 1 KB of alignment slack, the mbarriers; STAGES at least gemm_min_stages (the fp32 epilogue tile fits).
@@ -213,6 +215,36 @@ __device__ __forceinline__ scalar_t silu_mul(float gate, float up) {
   return from_float(a / (1.f + expf(-a)) * to_float(from_float(up)));
 }
 
+// a / b, rounded to nearest, by the fast path of the division `a / b` compiles to (div.rn.f32): a reciprocal
+// refined by one Newton step, the quotient corrected by its exact remainder (each line one FFMA of that
+// path, in its order and with its +0). It is correctly rounded wherever no step over- or underflows, which
+// silu_mul_fast checks. Why not `/` itself: its rarely taken slow path is a call, and the branch around it
+// makes each element of the epilogue a region of its own, so the compiler cannot interleave the elements'
+// chains (exp, reciprocal), 56 a thread, while the tensor cores wait. Measured (bench gemm, H200, a model's
+// scales): gate/up + SiLU 89.9 us against 91.5 with `/`; the plain gate/up GEMM 88.5.
+__device__ __forceinline__ float div_rn_fast(float a, float b) {
+  float y, e, q, r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(b));
+  asm("fma.rn.f32 %0, %1, %2, 0f3F800000;" : "=f"(e) : "f"(-b), "f"(y));  // e = 1 - b y
+  asm("fma.rn.f32 %0, %1, %2, %1;" : "=f"(y) : "f"(y), "f"(e));            // y = y + y e
+  asm("fma.rn.f32 %0, %1, %2, 0f00000000;" : "=f"(q) : "f"(a), "f"(y));    // q = a y + 0
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(-b), "f"(q), "f"(a));   // r = a - b q, exact
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(q) : "f"(y), "f"(r), "f"(q));    // q = q + y r
+  return q;
+}
+
+// silu_mul with div_rn_fast: the same bits wherever `exact` stays true. It turns false, and the caller redoes
+// its elements with silu_mul, for a gate outside [-20, 2^60] (1 + exp(-a) above 2^29), below 2^-60 in
+// magnitude (but not 0) or NaN: there a step of the fast path could leave the normal range. The quotient
+// takes a's sign (b > 0), which also makes -0 / b the -0 of `/`. Branch-free (& and copysign, not && and ?:),
+// so the compiler interleaves the elements. Tested over every 16-bit gate (tests/test_gemm_gpu.py).
+__device__ __forceinline__ scalar_t silu_mul_fast(float gate, float up, bool &exact) {
+  const float a = to_float(from_float(gate));
+  exact &= (a >= -20.f) & (a <= 0x1p60f) & ((fabsf(a) >= 0x1p-60f) | (a == 0.f));
+  const float s = copysignf(div_rn_fast(a, 1.f + expf(-a)), a);
+  return from_float(s * to_float(from_float(up)));
+}
+
 // The epilogue, through shared memory and the copy engine (CUTLASS's TMA store): each consumer thread writes
 // its fragments (mma.m16n8k16's layout per warp: lane (grp, tig) holds rows grp, grp + 8 and columns 8 j + 2 tig,
 // + 1) into the tile, row-major [BM][W] in the ring (free once every k-step is consumed: no copy into it is
@@ -234,11 +266,19 @@ __device__ __forceinline__ void stage_tile(const float (&d)[BN / 2], unsigned ch
         *reinterpret_cast<float2 *>(tile + ((long long)row * BN + 8 * j + 2 * tig) * 4) =
             make_float2(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
     } else if (GEMM_SILU_MUL) {
+      bool exact = true;  // every element below took the fast division's exact range (silu_mul_fast)
 #pragma unroll
       for (int j = 0; j < BN / 16; ++j)
         *reinterpret_cast<unsigned *>(tile + (row * (BN / 2) + 8 * j + 2 * tig) * 2) =
-            (unsigned)silu_mul(d[4 * j + 2 * half], d[4 * (j + BN / 16) + 2 * half]) |
-            (unsigned)silu_mul(d[4 * j + 2 * half + 1], d[4 * (j + BN / 16) + 2 * half + 1]) << 16;
+            (unsigned)silu_mul_fast(d[4 * j + 2 * half], d[4 * (j + BN / 16) + 2 * half], exact) |
+            (unsigned)silu_mul_fast(d[4 * j + 2 * half + 1], d[4 * (j + BN / 16) + 2 * half + 1], exact) << 16;
+      if (!exact) {  // rare (a gate below -20): this thread's row again, with `/` itself
+#pragma unroll
+        for (int j = 0; j < BN / 16; ++j)
+          *reinterpret_cast<unsigned *>(tile + (row * (BN / 2) + 8 * j + 2 * tig) * 2) =
+              (unsigned)silu_mul(d[4 * j + 2 * half], d[4 * (j + BN / 16) + 2 * half]) |
+              (unsigned)silu_mul(d[4 * j + 2 * half + 1], d[4 * (j + BN / 16) + 2 * half + 1]) << 16;
+      }
     } else {
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j)

@@ -12,6 +12,7 @@ runs every tile width, a split and the fused epilogue once on small shapes.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -98,6 +99,19 @@ def test_clusters_change_the_schedule_not_the_bits(silu):
     assert torch.equal(call(x, w, tile=GemmTile(224, cluster=2)), call(x, w, tile=GemmTile(224, cluster=1)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_tile_width_changes_the_schedule_not_the_bits(dtype):
+    # Each output element is its k-steps' wgmma products summed in k order, whatever the tile's width:
+    # so a width may be chosen from the row count (a decode step's 256 rows, a prefill's thousands) and a
+    # row keep its bits. The split of K does change them (other partial sums): it is the weight's alone.
+    n = 5376  # a multiple of every width
+    x, w = operands(300, n, 1024, dtype)
+    ref = gemm.linear(x, w, tile=GemmTile(128))
+    for bn in GEMM_WIDTHS:
+        assert torch.equal(gemm.linear(x, w, tile=GemmTile(bn)), ref), f"width {bn} changed the bits"
+    assert not torch.equal(gemm.linear(x, w, tile=GemmTile(128, 2)), ref), "a split of K reassociates the sums"
+
+
 def test_rows_past_m_are_never_read():
     x, w = operands(100, 256, 1024, torch.bfloat16)
     buf = torch.full((256, 1024), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -118,6 +132,31 @@ def test_silu_mul_linear_is_the_gemm_then_silu_and_mul(bn, dtype):
     g = oracle(x, gate_up)
     want = torch.nn.functional.silu(g[:, :inter]) * g[:, inter:]
     assert max_err(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("bn", [128, 224, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_fast_division_is_exact_for_every_16_bit_gate(dtype, bn):
+    """The epilogue divides a / (1 + exp(-a)) by `/`'s own fast path and redoes a thread's row with `/` when
+    a gate leaves that path's exact range. Every finite 16-bit value is a gate here, once: x is the identity
+    (row t = e_t), so gate[t, i] = W_gate[i, t] exactly (one non-zero product per sum)."""
+    rows = 128
+    step = math.lcm(bn // 2, 32)  # whole tiles of bn / 2 columns, and 2 I a multiple of 64 (kernels.gemm.supported)
+    inter = -(-(2**16 // rows) // step) * step  # >= 512 gate columns
+    gates = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype).to(torch.float32)
+    gates = torch.where(torch.isfinite(gates), gates, torch.zeros(()))  # an inf times 0 would poison a column
+    gates = torch.cat((gates, torch.zeros(rows * inter - len(gates))))
+    gen = torch.Generator().manual_seed(bn)
+    w = torch.zeros(2 * inter, rows, dtype=dtype)
+    w[:inter] = gates.view(rows, inter).t().to(dtype)  # gate row i, column t: gate (t, i)
+    w[inter:] = (torch.randn(inter, rows, generator=gen) * 4).to(dtype)  # up: either sign
+    x, w = torch.eye(rows, dtype=dtype).cuda(), w.cuda()
+    got = gemm.silu_mul_linear(x, w, tile=GemmTile(bn))
+    want = fused.silu_and_mul(gemm.linear(x, w, tile=GemmTile(bn)))
+    wrong = (got.view(torch.int16) != want.view(torch.int16)).nonzero()
+    assert len(wrong) == 0, (f"{len(wrong)} outputs differ from silu_and_mul's, the first at gate "
+                             f"{float(w[wrong[0, 1], wrong[0, 0]])}: the fast division is not `/` there")
+    assert (gates < -20).any(), "gates the fast path leaves to `/` are in the test too"
 
 
 def test_model_shapes_take_their_own_tiles():

@@ -224,7 +224,8 @@ GEMM_WIDTHS = (64, 96, 128, 192, 224, 256)  # the tile widths the kernel spells 
 class GemmTile:
     """A weight's tiling: bn output columns per CTA (for silu_mul_linear: bn / 2 gate and bn / 2 up
     rows), K cut into `splits` fixed spans (their fp32 sums added in order), `stages` deep ring, `cluster`
-    row tiles sharing each B tile (TMA multicast). Only bn and splits can change the arithmetic."""
+    row tiles sharing each B tile (TMA multicast). Only splits changes the arithmetic: bn, stages and
+    cluster change the schedule, not a bit (tests/test_gemm_gpu.py; measured on an H200)."""
 
     bn: int
     splits: int = 1

@@ -6,12 +6,14 @@ warp-specialised wgmma kernel, TMA copies into a ring of shared-memory stages, w
 split of K chosen from the weight's shape (`gemm_tile`), and can fuse SwiGLU's silu(gate) * up into the
 gate/up GEMM's epilogue (`silu_mul_linear`). The epilogue stages the tile in shared memory and writes it
 with one bulk tensor store (a third TMA descriptor, the output's). Measured on an H200 (docs/benchmarks.md,
-2026-12-02) it runs the 8B step's GEMMs at cuBLAS's speed, not past it, so the engine keeps cuBLAS; this
-is the kernel, its benchmark (`bench gemm --modes pagedref`) and its tests.
+2026-12-02) it runs the 8B step's plain GEMMs at cuBLAS's speed, and gate/up with SiLU fused 10% faster than
+cuBLAS then `silu_and_mul`; `LLM(weight_gemm="pagedref")` runs gate/up and down on it (opt-in: prefill's
+larger row counts are slower here than on cuBLAS, whose kernel is chosen for them).
 
-Invariant: a row's output depends only on that row and the weight: the tile and the split are functions
-of (N, K) and the device's SM count, never of M, so the bits of a token's row are the same in any batch
-(cuBLAS picks its kernel from M). Against a float64 product each element is within fp32 accumulation
+Invariant: a row's output depends only on that row and the weight: the split of K, the one choice that
+changes the sums, is a function of (N, K) and the device's SM count, never of M, so the bits of a token's
+row are the same in any batch (cuBLAS picks its kernel from M). The tile's width and cluster change only
+the schedule (tested bit for bit), so they could follow M; today they are the weight's too. Against a float64 product each element is within fp32 accumulation
 error plus one rounding to 16 bits. Launches go on torch's current stream (graph-capturable).
 
 The TMA descriptors (CUtensorMap, 128 bytes) are encoded on the host by the driver
