@@ -106,9 +106,10 @@ def test_main_writes_the_document_and_prints_both_engines(tiny_dir, tmp_path, ca
     assert [r["kv_cache"] for r in doc["results"]] == ["paged", "contiguous"]
     assert [r["num_seqs"] for r in doc["results"]] == [6, 4]
     lines = capsys.readouterr().out.splitlines()
-    assert lines[2].split() == ["kv_cache", "async", "seqs", "context", "wall", "ms", "gpu", "ms", "idle", "ms", *PHASES]
-    assert lines[3].split()[:3] == ["paged", "off", "6"] and lines[4].split()[:3] == ["contiguous", "off", "4"]
-    assert lines[3].split()[5:7] == ["n/a", "n/a"], "the CPU has no GPU to idle: GPU span and idle are not applicable"
+    assert lines[2].split() == ["kv_cache", "weight_gemm", "async", "seqs", "context", "wall", "ms", "gpu", "ms", "idle",
+                                "ms", *PHASES]
+    assert lines[3].split()[:4] == ["paged", "torch", "off", "6"] and lines[4].split()[:4] == ["contiguous", "torch", "off", "4"]
+    assert lines[3].split()[6:8] == ["n/a", "n/a"], "the CPU has no GPU to idle: GPU span and idle are not applicable"
 
 
 def test_async_on_and_off_side_by_side(tiny_dir, tmp_path, capsys):

@@ -53,3 +53,27 @@ def test_the_scheduler_config_checks_itself():
         SchedulerConfig(preemption_mode="drop")
     with pytest.raises(ValueError, match="max_num_seqs must be at least 1"):
         SchedulerConfig(max_num_seqs=0)
+
+
+def test_weight_gemm_resolves_to_op_names_and_refuses_what_cannot_run_by_name():
+    assert EngineArgs(STORIES, device="cpu").create_engine_config().weight_gemm == ()
+    resolve = config_mod.resolve_weight_gemm
+    with pytest.raises(ValueError, match=r"unknown op\(s\) \['ffn'\]"):
+        resolve(("gate_up", "ffn"), "cpu", 1)
+    with pytest.raises(ValueError, match="'torch', 'pagedref' or a list"):
+        resolve("cublas", "cpu", 1)
+    with pytest.raises(ValueError, match="sm_90 CUDA GPU"):
+        LLM(STORIES, device="cpu", weight_gemm="pagedref")
+    with pytest.raises(ValueError, match="sm_90 CUDA GPU"):
+        resolve(["down"], "cpu", 1)
+    assert resolve((), "cpu", 1) == ()  # no ops: nothing to run on the GPU's GEMM
+
+
+def test_weight_gemm_puts_the_named_projections_on_the_gemm_and_nothing_else():
+    from pagedref.models import load_model
+
+    model = load_model(STORIES, device="cpu").set_weight_gemm(("o", "gate_up", "lm_head"))
+    layer = model.model.layers[0]
+    assert layer.self_attn.weight_gemm == {"o"} and layer.mlp.weight_gemm == {"gate_up"} and model.lm_head_on_gemm
+    with pytest.raises(ValueError, match=r"\['mlp'\] are not among"):
+        model.set_weight_gemm(["mlp"])

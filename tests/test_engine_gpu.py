@@ -75,3 +75,34 @@ def test_parallel_sampling_beam_search_and_the_contiguous_baseline():
     contiguous = LLM(model_path("stories260K"), device="cuda", num_kv_blocks=256, kv_cache="contiguous")
     got = contiguous.generate(case["prompt"], SamplingParams(temperature=0, max_tokens=50))[0].outputs[0].token_ids
     assert got == case["greedy_ids"][:50]
+
+
+@pytest.mark.skipif(not gpu_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU")
+def test_on_the_hopper_gemm_a_requests_logits_do_not_depend_on_its_batch(monkeypatch):
+    # With every projection on kernels.gemm (a tile fixed by the weight, never by the row count), each
+    # per-token operation of the step is the same kernel on the same row in any batch, and the attention
+    # kernels are batch-invariant by their contract: so alone or beside three others, in any step's graph,
+    # a request's logits are the same bits. (With cuBLAS, whose kernel depends on the row count, they are not.)
+    from collections import Counter
+
+    from pagedref.kernels import gemm
+    from pagedref.models.llama import WEIGHT_GEMM_OPS
+
+    calls = Counter()
+    for name in ("linear", "silu_mul_linear"):
+        def counted(*args, _real=getattr(gemm, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(gemm, name, counted)
+    llm = LLM(model_path(MODEL), device="cuda", dtype="bfloat16", max_model_len=512, num_kv_blocks=256,
+              weight_gemm=WEIGHT_GEMM_OPS, record_logits=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    together = llm.generate(PROMPTS, params)
+    assert calls["silu_mul_linear"] > 0 and calls["linear"] > 0, f"the projections must run on kernels.gemm: {calls}"
+    for prompt, batched in zip(PROMPTS, together):
+        alone = llm.generate([prompt], params)[0].outputs[0]
+        assert alone.token_ids == batched.outputs[0].token_ids
+        assert torch.equal(alone.logits, batched.outputs[0].logits), "a request's logits changed with its batch"
+    assert llm.get_stats()["num_cuda_graph_replays"] > 0
+    llm.close()
+

@@ -67,6 +67,7 @@ class ProfileResult:
     gpu_span_ms: float | None = None  # per step, mean: from its first GPU work to its last (CUDA events; None: CPU)
     gpu_idle_ms: float | None = None  # per step, mean: wall time the GPU had no step to run (None: CPU)
     top_kernels: list[tuple[str, str, float]] | None = None  # [(class, kernel name, ms per step)], the longest first
+    weight_gemm: str = "torch"  # the engine's weight_gemm: "torch" (cuBLAS), "pagedref", or the ops, comma-joined
 
     def bandwidth(self, what: str) -> float | None:
         """Bytes per second the step's matmuls (what="gemm", the weights) or attention kernels
@@ -143,11 +144,12 @@ def _gpu_kernels(step, steps: int) -> tuple[dict[str, float], list[tuple[str, st
 
 def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, device: str, num_kv_blocks: int,
             steps: int = 20, warmup: int = 3, seed: int = 0, kernels: bool | None = None,
-            async_scheduling: bool | None = None) -> ProfileResult:
+            async_scheduling: bool | None = None, weight_gemm: str = "torch") -> ProfileResult:
     """Add num_requests requests of prompt_len random tokens, step until every running one decodes,
     then time `steps` steps three ways (wall and GPU idle, phases, kernels). kernels: profile the GPU
     kernels (None: on a GPU; on the CPU there are no kernel events, every class comes out 0).
-    async_scheduling: the engine's (None: its default, on with CUDA)."""
+    async_scheduling: the engine's (None: its default, on with CUDA). weight_gemm: the engine's, "torch",
+    "pagedref" or op names joined by commas (LLM's weight_gemm)."""
     from pagedref import LLM, SamplingParams
 
     if kv_cache not in ("paged", "contiguous"):
@@ -155,7 +157,8 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
     if num_requests < 1 or prompt_len < 1 or steps < 1:
         raise ValueError(f"num_requests, prompt_len and steps must be at least 1, got {num_requests}, {prompt_len}, {steps}")
     dtype = "bfloat16" if device == "cuda" else "float32"
-    llm = LLM(model=str(model_dir), kv_cache=kv_cache, async_scheduling=async_scheduling,
+    gemm_arg = weight_gemm if weight_gemm in ("torch", "pagedref") else tuple(weight_gemm.split(","))
+    llm = LLM(model=str(model_dir), kv_cache=kv_cache, async_scheduling=async_scheduling, weight_gemm=gemm_arg,
               **serve.engine_args(device, dtype, num_kv_blocks, num_requests, None, 0.9))
     engine = llm.llm_engine
     try:
@@ -195,7 +198,7 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
         context = statistics.mean(contexts)
         return ProfileResult(kv_cache, num_seqs, context, 1e3 * wall, phases, kernel_ms, weight_bytes,
                              num_seqs * context * kv_per_token, 2.0 * num_seqs * num_params,
-                             engine.async_scheduling, span, idle, top)
+                             engine.async_scheduling, span, idle, top, weight_gemm)
     finally:
         llm.close()
         common.free_device(device)
@@ -247,10 +250,11 @@ def print_report(doc: dict[str, Any]) -> None:
     print(f"{doc['shape']}: {doc['num_requests']} requests of {doc['prompt_len']} tokens, KV budget "
           f"{doc['num_kv_blocks'] * BLOCK_SIZE:,} token slots" + (f"; copy bandwidth {bw / 1e12:.2f} TB/s" if bw else ""))
     ms = lambda x: f"{x:>9.2f}" if x is not None else f"{'n/a':>9}"  # noqa: E731  (n/a: the CPU has no GPU to idle)
-    print(f"{'kv_cache':<11}{'async':>6}{'seqs':>5}{'context':>8}{'wall ms':>9}{'gpu ms':>9}{'idle ms':>9}"
+    print(f"{'kv_cache':<11}{'weight_gemm':>18}{'async':>6}{'seqs':>5}{'context':>8}{'wall ms':>9}{'gpu ms':>9}{'idle ms':>9}"
           + "".join(f"{p:>10}" for p in PHASES))
     for r in doc["results"]:
-        print(f"{r['kv_cache']:<11}{'on' if r.get('async_scheduling') else 'off':>6}{r['num_seqs']:>5}"
+        print(f"{r['kv_cache']:<11}{r.get('weight_gemm', 'torch'):>18}{'on' if r.get('async_scheduling') else 'off':>6}"
+              f"{r['num_seqs']:>5}"
               f"{r['mean_context_len']:>8.0f}{r['wall_ms']:>9.2f}{ms(r.get('gpu_span_ms'))}{ms(r.get('gpu_idle_ms'))}"
               + "".join(f"{r['phases_ms'][p]:>10.2f}" for p in PHASES))
     print("gpu ms: a step's span on the GPU (CUDA events); idle ms: wall time per step with no step on the GPU; "
@@ -258,19 +262,20 @@ def print_report(doc: dict[str, Any]) -> None:
     if not all(r["kernels_ms"] for r in doc["results"]):
         return
     print("GPU time per step (ms) and what it reads; bandwidth as a share of the copy bandwidth")
-    print(f"{'kv_cache':<11}{'gpu ms':>8}{'gemm':>8}{'attn':>8}{'other':>8}{'weights GB':>12}{'gemm TB/s':>11}"
+    print(f"{'kv_cache, weight_gemm':<30}{'gpu ms':>8}{'gemm':>8}{'attn':>8}{'other':>8}{'weights GB':>12}{'gemm TB/s':>11}"
           f"{'TFLOP/s':>9}{'KV GB':>8}{'attn TB/s':>11}")
     for r in doc["results"]:
         res = ProfileResult(**r)
         k = res.kernels_ms
         g, a = res.bandwidth("gemm"), res.bandwidth("attention")
         share = (lambda x: f" ({x / bw:.0%})" if bw and x else "")
-        print(f"{res.kv_cache:<11}{sum(k.values()):>8.2f}{k['gemm']:>8.2f}{k['attention']:>8.2f}{k['other']:>8.2f}"
+        print(f"{res.kv_cache + ' ' + res.weight_gemm:<30}{sum(k.values()):>8.2f}{k['gemm']:>8.2f}{k['attention']:>8.2f}{k['other']:>8.2f}"
               f"{res.weight_bytes / 1e9:>12.2f}{(g or 0) / 1e12:>6.2f}{share(g):>5}{res.linear_flops / (k['gemm'] / 1e3) / 1e12:>9.0f}"
               f"{res.kv_bytes / 1e9:>8.2f}{(a or 0) / 1e12:>6.2f}{share(a):>5}")
     for r in doc["results"]:
         if r.get("top_kernels"):
-            print(f"{r['kv_cache']}: the {len(r['top_kernels'])} longest kernels, ms per step")
+            print(f"{r['kv_cache']}, weight_gemm {r.get('weight_gemm', 'torch')}: the {len(r['top_kernels'])} longest "
+                  "kernels, ms per step")
             for cls, name, ms_ in r["top_kernels"]:
                 print(f"  {cls:<10}{ms_:>7.3f}  {name[:110]}")
 
@@ -286,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--async-scheduling", choices=("default", "on", "off", "both"), default="default",
                     help="the engine's loop: default (on with CUDA), on, off, or both side by side")
     ap.add_argument("--systems", default="paged,contiguous", help="kv_cache layouts to profile: paged,contiguous")
+    ap.add_argument("--weight-gemm", nargs="+", default=["torch"], metavar="GEMM",
+                    help="the engine's weight_gemm, each profiled in turn: torch (cuBLAS), pagedref, or ops joined by "
+                         "commas (qkv,o,gate_up,down,lm_head)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()))
     ap.add_argument("--json-out", type=Path, help="also write the results document here")
@@ -303,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     if not systems or any(kv not in ("paged", "contiguous") for kv in systems):
         ap.error(f"--systems {args.systems!r}: a comma-separated subset of paged,contiguous")
     results = [measure(model_dir, kv, args.num_requests, args.prompt_len, device, args.num_kv_blocks, args.steps,
-                       seed=args.seed, async_scheduling=mode) for kv in systems for mode in modes]
+                       seed=args.seed, async_scheduling=mode, weight_gemm=gemm_mode)
+               for kv in systems for mode in modes for gemm_mode in args.weight_gemm]
     doc = {"benchmark": "profile", "environment": common.environment(device), "shape": shape,
            "num_requests": args.num_requests, "prompt_len": args.prompt_len, "num_kv_blocks": args.num_kv_blocks,
            "copy_bandwidth": copy_bandwidth(torch.device(device)), "results": [asdict(r) for r in results]}

@@ -18,8 +18,9 @@ is measured), and the weights are random in a real model's shape (nothing is dow
   (d) hf-continuous       transformers' own continuous batching / paged cache (`ContinuousBatchingManager`,
                           transformers >= 4.5x) at the same number of KV token slots, where installed
 
-Three more systems on request: `pagedref-eager` (pagedref without CUDA graphs: what they are worth),
-`pagedref-sync` (pagedref without async scheduling: the host's time no longer hidden behind the GPU's)
+More systems on request: `pagedref-eager` (pagedref without CUDA graphs: what they are worth),
+`pagedref-sync` (pagedref without async scheduling: the host's time no longer hidden behind the GPU's),
+`pagedref-gemm` (pagedref with `weight_gemm="pagedref"`: gate/up and down on the project's Hopper GEMM, sm_90)
 and `pagedref-tpN` (tensor parallel over N GPUs, eager, synchronous).
 
 The KV budget is --num-kv-blocks blocks of 16 tokens (default 4096 = 65,536 token slots: 8 GiB at
@@ -486,9 +487,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
             parser.error(f"--model-shape {s!r}: choose from {', '.join(SHAPES)}")
     systems = args.systems.split(",")
     for s in systems:
-        if s not in SYSTEMS and s not in ("pagedref-eager", "pagedref-sync") and tp_size(s) is None:
+        if s not in SYSTEMS and s not in ("pagedref-eager", "pagedref-sync", "pagedref-gemm") and tp_size(s) is None:
             parser.error(f"--systems: unknown system {s!r} (choose from {', '.join(SYSTEMS)}, pagedref-sync for "
-                         "pagedref without async scheduling, pagedref-eager for "
+                         "pagedref without async scheduling, pagedref-gemm for pagedref on its own Hopper GEMM, "
+                         "pagedref-eager for "
                          "pagedref without CUDA graphs, or pagedref-tpN for pagedref with tensor_parallel_size=N)")
     if args.num_prompts is None:
         args.num_prompts = 100 if args.quick or device == "cpu" else NUM_PROMPTS  # the CPU's tiny shape: a smoke run
@@ -532,6 +534,9 @@ def run_shape(args: argparse.Namespace, shape: str, systems: list[str], device: 
             if system == "pagedref-eager":  # pagedref without CUDA graphs: what the graphs are worth
                 res = run_pagedref(model_dir, reqs, "paged", {**llm_kwargs, "num_kv_blocks": num_kv_blocks or None,
                                                               "enforce_eager": True}, log, system)
+            elif system == "pagedref-gemm":  # pagedref with gate/up and down on kernels.gemm (sm_90)
+                res = run_pagedref(model_dir, reqs, "paged", {**llm_kwargs, "num_kv_blocks": num_kv_blocks or None,
+                                                              "weight_gemm": "pagedref"}, log, system)
             elif system == "pagedref-sync":  # pagedref scheduling each step after the last one's tokens are back
                 res = run_pagedref(model_dir, reqs, "paged", {**llm_kwargs, "num_kv_blocks": num_kv_blocks or None,
                                                               "async_scheduling": False}, log, system)

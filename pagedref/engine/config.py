@@ -43,6 +43,9 @@ CPU_DEFAULTS = dict(max_num_seqs=256, max_num_batched_tokens=2048)
 # attention launches and the pieces' buffer copies. Capturing the ladder's 32 sizes past 512 costs a few
 # seconds at start-up and little memory (all graphs share one pool, sized by the largest).
 MAX_DECODE_GRAPH_BATCH = 1024
+# weight_gemm="pagedref": the projections put on the project's Hopper GEMM (pagedref.kernels.gemm), those
+# measured at or past cuBLAS at a 256-row decode step (bench gemm, H200; docs/benchmarks.md).
+PAGEDREF_GEMM_OPS = ("gate_up", "down")
 
 
 def resolve_device(device: str) -> str:
@@ -189,6 +192,7 @@ class EngineConfig:
     scheduler_cls: type | None  # None: pagedref's Scheduler / BlockManager (the course grades a learner's with them)
     block_manager_cls: type | None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    weight_gemm: tuple[str, ...] = ()  # projections on pagedref.kernels.gemm (models.llama.WEIGHT_GEMM_OPS)
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -227,6 +231,7 @@ class EngineArgs:
     max_logprobs: int = 20
     async_scheduling: bool | None = None  # None: on with CUDA and one GPU (vLLM's --async-scheduling)
     speculative_config: dict[str, Any] | None = None  # vLLM's keys: see SpeculativeConfig
+    weight_gemm: str | tuple[str, ...] = "torch"  # "torch" (cuBLAS), "pagedref" (PAGEDREF_GEMM_OPS), or the ops
 
     def create_engine_config(self) -> EngineConfig:
         """Check every argument (cheap ones first, then those that need the checkpoint's config.json) and
@@ -249,6 +254,8 @@ class EngineArgs:
         check_int("max_capture_size", self.max_capture_size, 1)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
+
+        weight_gemm = resolve_weight_gemm(self.weight_gemm, device, self.tensor_parallel_size)
 
         hf_config = ModelConfig.from_pretrained(self.model)  # config.json, architecture: before anything heavy
         dtype = resolve_dtype(("float32" if device == "cpu" else hf_config.dtype) if self.dtype == "auto" else self.dtype)
@@ -290,7 +297,34 @@ class EngineArgs:
             parallel=ParallelConfig(tp_size),
             compilation=CompilationConfig(self.enforce_eager, self.max_seq_len_to_capture, self.max_capture_size),
             scheduler_cls=self.scheduler_cls, block_manager_cls=self.block_manager_cls, speculative=speculative,
+            weight_gemm=weight_gemm,
         )
+
+
+def resolve_weight_gemm(weight_gemm: str | tuple[str, ...] | list[str], device: str, tp_size: int) -> tuple[str, ...]:
+    """"torch" -> () (cuBLAS for every projection), "pagedref" -> PAGEDREF_GEMM_OPS, or a list of op names
+    (models.llama.WEIGHT_GEMM_OPS), checked: the Hopper GEMM needs one sm_90 CUDA GPU."""
+    from pagedref.models.llama import WEIGHT_GEMM_OPS
+
+    if weight_gemm == "torch":
+        return ()
+    ops = PAGEDREF_GEMM_OPS if weight_gemm == "pagedref" else weight_gemm
+    if isinstance(ops, str) or not all(isinstance(op, str) for op in ops):
+        raise ValueError(f"weight_gemm must be 'torch', 'pagedref' or a list of {', '.join(WEIGHT_GEMM_OPS)}, "
+                         f"got {weight_gemm!r}")
+    unknown = sorted(set(ops) - set(WEIGHT_GEMM_OPS))
+    if unknown:
+        raise ValueError(f"weight_gemm: unknown op(s) {unknown} (known: {', '.join(WEIGHT_GEMM_OPS)})")
+    if ops and device == "cpu":
+        raise ValueError("weight_gemm: the Hopper GEMM (pagedref.kernels.gemm) runs on an sm_90 CUDA GPU; "
+                         "on the CPU every projection is torch's (use weight_gemm='torch')")
+    if ops and torch.cuda.get_device_capability(torch.device(device)) != (9, 0):
+        raise ValueError(f"weight_gemm: the Hopper GEMM needs compute capability 9.0 (sm_90), {device} has "
+                         f"{torch.cuda.get_device_capability(torch.device(device))}")
+    if ops and tp_size > 1:
+        raise ValueError("weight_gemm: the Hopper GEMM path takes tensor_parallel_size=1 (the workers load "
+                         "their own shards with cuBLAS)")
+    return tuple(sorted(set(ops), key=WEIGHT_GEMM_OPS.index))
 
 
 def check_speculative(spec: SpeculativeConfig, hf_config, max_model_len: int, tp_size: int, kv_cache: str,

@@ -139,6 +139,7 @@ class LLMEngine:
         try:  # from here on, a failure must stop the workers it started
             weights = load_model(config.model, device=device, dtype=dtype, batch_invariant=(device == "cpu"),
                                  tp=workers.tp if workers else TPGroup())
+            weights.set_weight_gemm(config.weight_gemm)  # before any graph is captured
             backend = get_backend("reference" if device == "cpu" else "cuda")
             spec = config.speculative
             draft = None
@@ -507,6 +508,10 @@ class LLM:
     `async_scheduling` (None: on with CUDA and one GPU, as vLLM's `--async-scheduling`) schedules each
     step while the GPU still runs the one before (`LLMEngine`); outputs are the same bits either way.
 
+    `weight_gemm` puts projections on the project's Hopper GEMM (sm_90, `pagedref.kernels.gemm`) instead
+    of cuBLAS: "torch" (the default) none, "pagedref" those measured at or past cuBLAS
+    (`config.PAGEDREF_GEMM_OPS`), or a list of `models.llama.WEIGHT_GEMM_OPS` (for benchmarks).
+
     `tensor_parallel_size=N` splits the model and its KV cache over N processes (one GPU each on CUDA,
     gloo processes on the CPU); this process is rank 0 and starts the others (`pagedref.distributed`),
     or joins them under torchrun. `close()` stops them.
@@ -554,6 +559,7 @@ class LLM:
         max_logprobs: int = 20,
         async_scheduling: bool | None = None,
         speculative_config: dict[str, Any] | None = None,
+        weight_gemm: str | tuple[str, ...] = "torch",
     ) -> None:
         args = EngineArgs(**{name: value for name, value in locals().items() if name != "self"})
         self.llm_engine = LLMEngine.from_engine_args(args)

@@ -38,6 +38,11 @@ another, the separate layers views into them (their names and shards unchanged),
 runs 4 GEMMs a layer instead of 7; silu_and_mul reads the [gate | up] row and the backend's RoPE + K/V
 write reads q, k and v straight out of the [q | k | v] row.
 
+Weight GEMMs (CUDA only, `set_weight_gemm`, off by default): the named projections of the fused path
+(q/k/v, o, gate/up with SiLU in its epilogue, down, lm_head) run on the project's Hopper GEMM
+(`pagedref.kernels.gemm`) instead of cuBLAS. Its tiling is a function of the weight alone, so a row's
+bits do not depend on the batch; cuBLAS picks its kernel from the row count.
+
 Invariant: for the same weights, `model(...)` followed by `compute_logits` equals Hugging Face
 transformers' forward pass to float32 rounding (tested to 1e-4 against `hf_reference.json`).
 """
@@ -55,8 +60,10 @@ from torch import nn
 from pagedref.backends.metadata import AttentionMetadata
 from pagedref.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from pagedref.distributed.parallel import TPGroup, check_tensor_parallel_size
-from pagedref.kernels import fused
+from pagedref.kernels import fused, gemm
 from pagedref.models.config import ModelConfig
+
+WEIGHT_GEMM_OPS = ("qkv", "o", "gate_up", "down", "lm_head")  # what set_weight_gemm can put on kernels.gemm
 
 
 def map_rows(fn: Callable, *rows: torch.Tensor, per_row: bool = True):
@@ -187,6 +194,8 @@ class LlamaAttention(nn.Module):
         # This rank's q, k and v rows in one matrix [(H + 2 Hkv) d, hidden] once `merge_projections` ran.
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
+        self.weight_gemm: frozenset[str] = frozenset()  # of "qkv", "o": on kernels.gemm (set_weight_gemm)
+        self.tp_size = tp.size
 
     def merge_projections(self) -> None:
         """One q/k/v matrix (vLLM's QKVParallelLinear): q_proj, k_proj and v_proj become views of its rows, so
@@ -208,8 +217,14 @@ class LlamaAttention(nn.Module):
     def qkv_rows(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, (H + 2 Hkv) d], each token's q | k | v (unrotated): one GEMM when merged."""
         if self.qkv_weight is not None:
-            return F.linear(x, self.qkv_weight, self.qkv_bias)
+            return linear(x, self.qkv_weight, self.qkv_bias, "qkv" in self.weight_gemm)
         return torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+
+    def o(self, attn: torch.Tensor) -> torch.Tensor:
+        """The output projection of attn [T, H * d] (o_proj; one rank: on kernels.gemm when set)."""
+        if self.tp_size == 1:
+            return linear(attn, self.o_proj.weight, self.o_proj.bias, "o" in self.weight_gemm)
+        return self.o_proj(attn)
 
     def split_heads(self, qkv: torch.Tensor):
         """[T, (H + 2 Hkv) d] rows -> q [T, H, d], k, v [T, Hkv, d], views into them."""
@@ -238,6 +253,14 @@ def merge_rows(a: nn.Linear, b: nn.Linear, c: nn.Linear | None, name: str) -> to
     return merged
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, on_gemm: bool) -> torch.Tensor:
+    """F.linear, or with on_gemm the Hopper GEMM (kernels.gemm.linear) where it runs: no bias, an sm_90 GPU,
+    16-bit operands of its shapes (kernels.gemm.supported); elsewhere F.linear."""
+    if on_gemm and bias is None and gemm.supported(x, weight):
+        return gemm.linear(x, weight)
+    return F.linear(x, weight, bias)
+
+
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -250,6 +273,8 @@ class LlamaMLP(nn.Module):
         # This rank's gate rows then its up rows [2 I / tp, hidden] once `merge_projections` ran.
         self.register_buffer("gate_up_weight", None, persistent=False)
         self.register_buffer("gate_up_bias", None, persistent=False)
+        self.weight_gemm: frozenset[str] = frozenset()  # of "gate_up", "down": on kernels.gemm (set_weight_gemm)
+        self.tp_size = tp.size
 
     def merge_projections(self) -> None:
         """One gate/up matrix (vLLM's MergedColumnParallelLinear), gate_proj and up_proj views of its rows:
@@ -264,10 +289,18 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
-        """The same with silu(gate) * up as one CUDA kernel."""
-        if self.gate_up_weight is not None:
-            return self.down_proj(fused.silu_and_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
-        return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        """The same with silu(gate) * up as one CUDA kernel: its own, or (gate_up on kernels.gemm) the GEMM's
+        epilogue, the same bits as that GEMM then silu_and_mul."""
+        if self.gate_up_weight is None:
+            return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        w, b = self.gate_up_weight, self.gate_up_bias
+        if "gate_up" in self.weight_gemm and b is None and gemm.supported(x, w):
+            h = gemm.silu_mul_linear(x, w)
+        else:
+            h = fused.silu_and_mul(F.linear(x, w, b))
+        if self.tp_size == 1:
+            return linear(h, self.down_proj.weight, self.down_proj.bias, "down" in self.weight_gemm)
+        return self.down_proj(h)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -299,7 +332,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def attn_out_and_mlp_fused(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """attn_out_and_mlp; x is not written (the new residual stream is a new tensor)."""
-        h = self.self_attn.o_proj(attn.flatten(1))
+        h = self.self_attn.o(attn.flatten(1))
         residual = torch.empty_like(x)
         h = self.post_attention_layernorm.fused(h, x, residual_out=residual)  # residual = x + h; h = its norm
         return residual.add_(self.mlp.fused(h))
@@ -347,7 +380,7 @@ class LlamaModel(nn.Module):
             attn = layer.self_attn
             q, k, v = attn.project(h)
             out = backend.forward(q, k, v, kv_cache, meta, attn.scale, rope=rope)  # [T, H, d]
-            h = attn.o_proj(out.flatten(1))
+            h = attn.o(out.flatten(1))
             h = layer.post_attention_layernorm.fused(h, x)  # x += attention; h = norm(x)
             h = layer.mlp.fused(h)
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
@@ -406,6 +439,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.model = LlamaModel(config, dtype, batch_invariant, tp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.lm_head_on_gemm = False  # set_weight_gemm
         self.tie_weights()
 
     @property
@@ -429,6 +463,21 @@ class LlamaForCausalLM(nn.Module):
         algorithm for the wider shape, so the CPU path, bit-exact against its oracles, never merges
         (`load_model` merges on CUDA only)."""
         self.model.merge_projections()
+        return self
+
+    def set_weight_gemm(self, ops) -> "LlamaForCausalLM":
+        """Run these projections of the CUDA fused path (WEIGHT_GEMM_OPS) on the project's Hopper GEMM
+        (kernels.gemm) instead of cuBLAS; () for none. Before any CUDA graph is captured: a graph replays
+        the kernels it was captured with. Each falls back to F.linear where the GEMM does not run (a bias,
+        not sm_90, a shape it does not take; o and down under tensor parallelism)."""
+        ops = frozenset(ops)
+        unknown = sorted(ops - set(WEIGHT_GEMM_OPS))
+        if unknown:
+            raise ValueError(f"weight GEMM ops {unknown} are not among {', '.join(WEIGHT_GEMM_OPS)}")
+        for layer in self.model.layers:
+            layer.self_attn.weight_gemm = ops & {"qkv", "o"}
+            layer.mlp.weight_gemm = ops & {"gate_up", "down"}
+        self.lm_head_on_gemm = "lm_head" in ops
         return self
 
     @property
@@ -460,8 +509,11 @@ class LlamaForCausalLM(nn.Module):
         float32=False leaves them in the model dtype, for a caller that reads only their argmax: widening to
         float32 is exact and keeps the order, so it cannot change an argmax (at 256 rows x 128k it costs a copy
         of ~0.1 ms on an H200)."""
-        with one_thread(self.batch_invariant):
-            logits = map_rows(self.lm_head, hidden, per_row=self.batch_invariant)
+        if self.lm_head_on_gemm and not self.batch_invariant:
+            logits = linear(hidden, self.lm_head.weight, self.lm_head.bias, True)
+        else:
+            with one_thread(self.batch_invariant):
+                logits = map_rows(self.lm_head, hidden, per_row=self.batch_invariant)
         return logits.float() if float32 else logits
 
     def forward_train(self, input_ids: torch.Tensor) -> torch.Tensor:
