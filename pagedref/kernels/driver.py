@@ -7,6 +7,9 @@ One idea: two things a kernel launch here needs, CuPy's launcher does not pass:
   - by-value arguments of any size (the GEMM's 128-byte TMA descriptors).
 A launch goes on the given stream exactly as a CuPy launch would, so torch orders it and a CUDA graph
 captures it (with its attributes: a captured PDL launch becomes a programmatic edge of the graph).
+Tried and not kept (docs/benchmarks.md, 2026-12-02): every kernel of the decode step that is the project's
+own launched so, each waiting for the one before in the kernel. The bits held and the step's time did not
+move: inside a graph the launches already follow each other closely.
 
 Invariant: every argument is passed as the ctypes value of the kernel parameter's own type (a device
 pointer as uint64, int as int32, float as float32); a failed launch raises with the driver's error code.
