@@ -32,11 +32,26 @@ def _ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
+class _StreamHandle:
+    """A CUDA stream handle under the CUDA stream protocol (`__cuda_stream__`: version 0, the handle)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
 @functools.lru_cache(maxsize=None)
 def _external_stream(ptr: int, device: int):
+    """CuPy's view of torch's stream `ptr` (it does not own it): through the CUDA stream protocol
+    (`Stream.from_external`, CuPy 14), or `ExternalStream` on a CuPy without it (which CuPy's docs say may
+    be deprecated)."""
     import cupy
 
     with cupy.cuda.Device(device):
+        if hasattr(cupy.cuda.Stream, "from_external"):
+            return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
         return cupy.cuda.ExternalStream(ptr)
 
 
