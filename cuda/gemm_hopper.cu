@@ -47,7 +47,7 @@
 // against cuBLAS's 89.7, q/k/v and down level, o behind: 22.7-25.9 against 18.8-21.7 with split-K's reduce
 // launch). Still slower at 128 and 512 rows (tiles chosen for 256). With SiLU fused into gate/up (89.9 us
 // against cuBLAS's 100.1 for gate/up then silu_and_mul) the engine's opt-in weight_gemm="pagedref" runs gate/up
-// and down here: its 8B decode step 8.46-8.66 ms against 8.75-9.03 with cuBLAS (docs/benchmarks.md,
+// and down here: its 8B decode step 8.46-8.77 ms against 8.75-9.03 with cuBLAS (docs/benchmarks.md,
 // 2026-12-02). What is left is the epilogue itself (a persistent grid would run the next tile's loads under it).
 // Launch: grid (ceil(M / 128) rounded up to GEMM_CLUSTER, N / BN (SILU: I / (BN / 2)), splits), block 384,
 // dynamic shared memory gemm_shared_bytes (pagedref.kernels.build): STAGES x (128 + BN) rows of 128 bytes,
