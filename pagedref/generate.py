@@ -88,6 +88,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--num-kv-blocks", type=int, default=None,
                    help="the KV pool in blocks, instead of sizing it from memory (vLLM's --num-gpu-blocks-override; "
                         "the serving benchmarks fix it so that every system gets the same pool)")
+    e.add_argument("--weight-gemm", choices=("torch", "pagedref"), default="torch",
+                   help="who runs the projections on CUDA: torch (cuBLAS) or pagedref (gate/up with SiLU fused, and "
+                        "down, on the project's Hopper GEMM; sm_90 only; faster at a 256-row decode step, slower for "
+                        "big batches: docs/benchmarks.md)")
     e.add_argument("--speculative-config", type=str, default=None, metavar="JSON",
                    help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                         "\"prompt_lookup_max\": 3}' or '{\"model\": DRAFT_DIR, \"num_speculative_tokens\": 3}'")
@@ -134,7 +138,8 @@ def engine_kwargs(args: argparse.Namespace, model_dir: Path, device: str) -> dic
                 max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
                 enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
                 num_kv_blocks=args.num_kv_blocks, tensor_parallel_size=args.tensor_parallel_size,
-                enforce_eager=args.enforce_eager, speculative_config=args.speculative_config)
+                enforce_eager=args.enforce_eager, speculative_config=args.speculative_config,
+                weight_gemm=args.weight_gemm)
 
 
 def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -152,6 +152,7 @@ def test_prompts_file_jsonl_fields_override_flags(tmp_path, capsys):
     (["--block-size", "0"], "--block-size"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     (["--max-tokens", "many"], "--max-tokens"),
+    (["--weight-gemm", "cutlass"], "--weight-gemm"),
 ])
 def test_bad_flags_are_usage_errors(capsys, args, named):
     assert named in usage_error(capsys, *args)
@@ -211,3 +212,8 @@ def test_auto_device_needs_a_gpu_and_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", cupy)  # a GPU and a working cupy
     assert generate.resolve_device("auto") == "cuda"
     assert generate.resolve_device("cpu") == "cpu"
+
+
+def test_the_hopper_gemm_on_the_cpu_is_refused_by_name(capsys):
+    err = usage_error(capsys, "--device", "cpu", "--weight-gemm", "pagedref")
+    assert "weight_gemm" in err and "sm_90" in err
