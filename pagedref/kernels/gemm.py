@@ -13,8 +13,9 @@ larger row counts are slower here than on cuBLAS, whose kernel is chosen for the
 Invariant: a row's output depends only on that row and the weight: the split of K, the one choice that
 changes the sums, is a function of (N, K) and the device's SM count, never of M, so the bits of a token's
 row are the same in any batch (cuBLAS picks its kernel from M). The tile's width and cluster change only
-the schedule (tested bit for bit), so they could follow M; today they are the weight's too. Against a float64 product each element is within fp32 accumulation
-error plus one rounding to 16 bits. Launches go on torch's current stream (graph-capturable).
+the schedule (tested bit for bit), so they could follow M; today they are the weight's too. Against a
+float64 product each element is within fp32 accumulation error plus one rounding to 16 bits. Launches go on
+torch's current stream (graph-capturable).
 
 The TMA descriptors (CUtensorMap, 128 bytes) are encoded on the host by the driver
 (cuTensorMapEncodeTiled) and passed by value, so a captured graph holds them; the kernel is launched

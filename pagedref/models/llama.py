@@ -195,7 +195,6 @@ class LlamaAttention(nn.Module):
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
         self.weight_gemm: frozenset[str] = frozenset()  # of "qkv", "o": on kernels.gemm (set_weight_gemm)
-        self.tp_size = tp.size
 
     def merge_projections(self) -> None:
         """One q/k/v matrix (vLLM's QKVParallelLinear): q_proj, k_proj and v_proj become views of its rows, so
@@ -222,7 +221,7 @@ class LlamaAttention(nn.Module):
 
     def o(self, attn: torch.Tensor) -> torch.Tensor:
         """The output projection of attn [T, H * d] (o_proj; one rank: on kernels.gemm when set)."""
-        if self.tp_size == 1:
+        if self.o_proj.tp.size == 1:
             return linear(attn, self.o_proj.weight, self.o_proj.bias, "o" in self.weight_gemm)
         return self.o_proj(attn)
 
@@ -253,10 +252,15 @@ def merge_rows(a: nn.Linear, b: nn.Linear, c: nn.Linear | None, name: str) -> to
     return merged
 
 
+def runs_on_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wanted: bool) -> bool:
+    """Whether a projection asked onto the Hopper GEMM runs there: no bias, an sm_90 GPU, 16-bit operands of
+    its shapes (kernels.gemm.supported); otherwise it stays F.linear."""
+    return wanted and bias is None and gemm.supported(x, weight)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, on_gemm: bool) -> torch.Tensor:
-    """F.linear, or with on_gemm the Hopper GEMM (kernels.gemm.linear) where it runs: no bias, an sm_90 GPU,
-    16-bit operands of its shapes (kernels.gemm.supported); elsewhere F.linear."""
-    if on_gemm and bias is None and gemm.supported(x, weight):
+    """F.linear, or with on_gemm the Hopper GEMM (kernels.gemm.linear) where it runs (runs_on_gemm)."""
+    if runs_on_gemm(x, weight, bias, on_gemm):
         return gemm.linear(x, weight)
     return F.linear(x, weight, bias)
 
@@ -274,7 +278,6 @@ class LlamaMLP(nn.Module):
         self.register_buffer("gate_up_weight", None, persistent=False)
         self.register_buffer("gate_up_bias", None, persistent=False)
         self.weight_gemm: frozenset[str] = frozenset()  # of "gate_up", "down": on kernels.gemm (set_weight_gemm)
-        self.tp_size = tp.size
 
     def merge_projections(self) -> None:
         """One gate/up matrix (vLLM's MergedColumnParallelLinear), gate_proj and up_proj views of its rows:
@@ -294,11 +297,11 @@ class LlamaMLP(nn.Module):
         if self.gate_up_weight is None:
             return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
         w, b = self.gate_up_weight, self.gate_up_bias
-        if "gate_up" in self.weight_gemm and b is None and gemm.supported(x, w):
+        if runs_on_gemm(x, w, b, "gate_up" in self.weight_gemm):
             h = gemm.silu_mul_linear(x, w)
         else:
             h = fused.silu_and_mul(F.linear(x, w, b))
-        if self.tp_size == 1:
+        if self.down_proj.tp.size == 1:
             return linear(h, self.down_proj.weight, self.down_proj.bias, "down" in self.weight_gemm)
         return self.down_proj(h)
 
