@@ -23,6 +23,7 @@ from pagedref.kernels import build, driver, validate
 from pagedref.kernels.splitk import (NUM_THREADS, PREFILL_MMA_ROWS, PREFILL_ROWS, heads_per_cta, mma_supported,
                                      num_partitions, prefill_mma_shared_bytes)
 
+REDUCE_UNROLL = 8  # partitions the reduce kernel loads at once (cuda/paged_attention.cu)
 _STATIC_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 PREFILL_VERSIONS = (1, 2, 3)
@@ -125,8 +126,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                 (_ptr(out), _ptr(q), *common, np.float32(scale)))
         return out
     f32 = dict(dtype=torch.float32, device=q.device)
-    tmp_out = torch.empty((shape.num_seqs, shape.num_heads, max_parts, shape.head_dim), **f32)
-    max_logits = torch.empty((shape.num_seqs, shape.num_heads, max_parts), **f32)
+    # The partials, each buffer padded by REDUCE_UNROLL partition slots: the reduce kernel loads a chunk of that
+    # many partitions at once, past a row's last one.
+    rows = shape.num_seqs * shape.num_heads
+    tmp_out = torch.empty((rows * max_parts + REDUCE_UNROLL) * shape.head_dim, **f32)
+    max_logits = torch.empty(rows * max_parts + REDUCE_UNROLL, **f32)
     exp_sums = torch.empty_like(max_logits)
     merge_in_kernel = version == 3 and tuning.merge_in_kernel and max_parts > 1
     counters = ()  # v3 takes its merge counters last (null when the reduce kernel merges)
@@ -137,7 +141,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(q), *common,
              np.int32(max_parts), np.float32(scale), *counters))
     if max_parts > 1 and not merge_in_kernel:
-        _launch(config, "paged_attention_reduce", q.device, (shape.num_seqs, shape.num_heads),
+        _launch(config, "paged_attention_reduce", q.device, (shape.num_seqs, -(-shape.num_heads // (NUM_THREADS // 32))),
                 (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(context_lens),
                  np.int32(shape.num_heads), np.int32(max_parts)), pdl=version == 3 and tuning.pdl)
     return out
