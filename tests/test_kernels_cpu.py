@@ -59,6 +59,20 @@ def test_threads_per_token_rule(head_dim, heads, elem_size):
     assert splitk.min_ctas_per_sm(elem_size, heads) in (1, 4)
 
 
+def test_the_launchers_constants_are_the_kernels():
+    # Constants the launcher and the CUDA sources share, each written in both: the CTA's thread count, and the
+    # partitions the reduce kernel loads at once past a row's last one (the launcher pads the partial buffers by
+    # that many slots: fewer would let the kernel read past them).
+    import re
+
+    from pagedref.kernels import launch
+
+    cuda = build.CUDA_DIR
+    assert re.search(r"constexpr int NUM_THREADS = (\d+);", (cuda / "common.cuh").read_text())[1] == str(splitk.NUM_THREADS)
+    unroll = re.search(r"constexpr int REDUCE_UNROLL = (\d+);", (cuda / "paged_attention.cu").read_text())[1]
+    assert launch.REDUCE_UNROLL >= int(unroll), "the partial buffers must be padded by the reduce kernel's chunk"
+
+
 def test_kernel_configs_are_distinct_and_their_sources_exist():
     configs = build.ci_configs()
     assert len(set(configs)) == len(configs)

@@ -318,9 +318,9 @@ def resolve_weight_gemm(weight_gemm: str | tuple[str, ...] | list[str], device: 
     if ops and device == "cpu":
         raise ValueError("weight_gemm: the Hopper GEMM (pagedref.kernels.gemm) runs on an sm_90 CUDA GPU; "
                          "on the CPU every projection is torch's (use weight_gemm='torch')")
-    if ops and torch.cuda.get_device_capability(torch.device(device)) != (9, 0):
-        raise ValueError(f"weight_gemm: the Hopper GEMM needs compute capability 9.0 (sm_90), {device} has "
-                         f"{torch.cuda.get_device_capability(torch.device(device))}")
+    capability = torch.cuda.get_device_capability(torch.device(device)) if ops else None
+    if ops and capability != (9, 0):
+        raise ValueError(f"weight_gemm: the Hopper GEMM needs compute capability 9.0 (sm_90), {device} has {capability}")
     if ops and tp_size > 1:
         raise ValueError("weight_gemm: the Hopper GEMM path takes tensor_parallel_size=1 (the workers load "
                          "their own shards with cuBLAS)")

@@ -23,7 +23,8 @@ from pagedref.kernels import build, driver, validate
 from pagedref.kernels.splitk import (NUM_THREADS, PREFILL_MMA_ROWS, PREFILL_ROWS, heads_per_cta, mma_supported,
                                      num_partitions, prefill_mma_shared_bytes)
 
-REDUCE_UNROLL = 8  # partitions the reduce kernel loads at once (cuda/paged_attention.cu)
+REDUCE_UNROLL = 8  # partitions the reduce kernel loads at once (cuda/paged_attention.cu's REDUCE_UNROLL)
+_REDUCE_ROWS_PER_CTA = NUM_THREADS // 32  # the reduce kernel: a warp per (sequence, head) row
 _STATIC_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 PREFILL_VERSIONS = (1, 2, 3)
@@ -141,7 +142,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(q), *common,
              np.int32(max_parts), np.float32(scale), *counters))
     if max_parts > 1 and not merge_in_kernel:
-        _launch(config, "paged_attention_reduce", q.device, (shape.num_seqs, -(-shape.num_heads // (NUM_THREADS // 32))),
+        _launch(config, "paged_attention_reduce", q.device, (shape.num_seqs, -(-shape.num_heads // _REDUCE_ROWS_PER_CTA)),
                 (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(context_lens),
                  np.int32(shape.num_heads), np.int32(max_parts)), pdl=version == 3 and tuning.pdl)
     return out
