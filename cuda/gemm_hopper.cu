@@ -256,6 +256,18 @@ __device__ __forceinline__ scalar_t silu_mul_fast(float gate, float up, bool &ex
 // (SILU: silu(gate) * up, W = BN / 2: fused_ops.cu's silu_and_mul on the rounded gate and up).
 static_assert(BM * BN * 4 <= STAGES * STAGE_BYTES, "the fp32 epilogue tile must fit in the ring (kernels.build.gemm_min_stages)");
 
+// One row's silu(gate) * up into the staged tile (the gate columns first in d, then the up columns): f
+// computes one element's 16 bits (the fast division or `/`).
+template <typename F>
+__device__ __forceinline__ void stage_silu_row(const float (&d)[BN / 2], unsigned char *tile, int row, int half,
+                                               int tig, F f) {
+#pragma unroll
+  for (int j = 0; j < BN / 16; ++j)
+    *reinterpret_cast<unsigned *>(tile + (row * (BN / 2) + 8 * j + 2 * tig) * 2) =
+        (unsigned)f(d[4 * j + 2 * half], d[4 * (j + BN / 16) + 2 * half]) |
+        (unsigned)f(d[4 * j + 2 * half + 1], d[4 * (j + BN / 16) + 2 * half + 1]) << 16;
+}
+
 __device__ __forceinline__ void stage_tile(const float (&d)[BN / 2], unsigned char *tile, bool fp32, int r, int tig) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -267,18 +279,9 @@ __device__ __forceinline__ void stage_tile(const float (&d)[BN / 2], unsigned ch
             make_float2(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
     } else if (GEMM_SILU_MUL) {
       bool exact = true;  // every element below took the fast division's exact range (silu_mul_fast)
-#pragma unroll
-      for (int j = 0; j < BN / 16; ++j)
-        *reinterpret_cast<unsigned *>(tile + (row * (BN / 2) + 8 * j + 2 * tig) * 2) =
-            (unsigned)silu_mul_fast(d[4 * j + 2 * half], d[4 * (j + BN / 16) + 2 * half], exact) |
-            (unsigned)silu_mul_fast(d[4 * j + 2 * half + 1], d[4 * (j + BN / 16) + 2 * half + 1], exact) << 16;
-      if (!exact) {  // rare (a gate below -20): this thread's row again, with `/` itself
-#pragma unroll
-        for (int j = 0; j < BN / 16; ++j)
-          *reinterpret_cast<unsigned *>(tile + (row * (BN / 2) + 8 * j + 2 * tig) * 2) =
-              (unsigned)silu_mul(d[4 * j + 2 * half], d[4 * (j + BN / 16) + 2 * half]) |
-              (unsigned)silu_mul(d[4 * j + 2 * half + 1], d[4 * (j + BN / 16) + 2 * half + 1]) << 16;
-      }
+      stage_silu_row(d, tile, row, half, tig, [&](float g, float u) { return silu_mul_fast(g, u, exact); });
+      if (!exact)  // rare (a gate below -20): this thread's row again, with `/` itself
+        stage_silu_row(d, tile, row, half, tig, [](float g, float u) { return silu_mul(g, u); });
     } else {
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j)

@@ -104,6 +104,26 @@ def test_pdl_is_a_compile_time_knob_of_v3_only_when_asked_for():
     assert ("PDL", 1) in build.mma_decode_config("bfloat16", 128, 16, 4, build.MmaTuning(pdl=True)).defines
 
 
+def test_a_grid_of_at_most_one_cta_per_sm_takes_the_prefetch_build_and_nothing_else_changes():
+    # small_grid_schedule picks a schedule from the grid's size: prefetch (3 CTAs per SM) up to one CTA per
+    # SM at head_dim 128; the partition size, and so the arithmetic, never moves; CI compiles what it picks.
+    small = build.small_grid_schedule(build.MmaTuning(), 128, num_ctas=132, num_sms=132)
+    assert (small.prefetch, small.min_ctas_per_sm, small.partition_size) == (True, 3, build.MmaTuning().partition_size)
+    assert build.small_grid_schedule(build.MmaTuning(), 128, num_ctas=133, num_sms=132) == build.MmaTuning()
+    assert build.small_grid_schedule(build.MmaTuning(), 64, num_ctas=8, num_sms=132) == build.MmaTuning()
+    off = build.CANDIDATES["v3 mma no small-grid prefetch"]
+    assert build.small_grid_schedule(off, 128, num_ctas=8, num_sms=132) == off
+    p2048 = build.small_grid_schedule(build.MmaTuning(partition_size=2048), 128, num_ctas=8, num_sms=132)
+    assert (p2048.partition_size, p2048.prefetch) == (2048, True)
+    compiled = set(build.ci_configs())
+    for dtype in ("float16", "bfloat16"):
+        for block_size in splitk.SUPPORTED_BLOCK_SIZES:
+            assert build.mma_decode_config(dtype, 128, block_size, 4, small) in compiled
+        for name, t in build.CANDIDATES.items():
+            if t.version == 3:
+                assert build.decode_config(dtype, 128, 16, 4, build.small_grid_schedule(t, 128, 1, 132)) in compiled, name
+
+
 def test_driver_passes_each_argument_as_its_c_type():
     import ctypes
 

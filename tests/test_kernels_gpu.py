@@ -182,6 +182,26 @@ def test_tensor_core_decode_does_not_depend_on_block_placement(block_size):
     assert T.same_bits(decode(p, version=3), decode(T.permute_blocks(p, seed=19), version=3))
 
 
+def test_a_small_grid_prefetches_and_keeps_the_bits():
+    # 32 / 8 heads, 4096 tokens: 32 CTAs a sequence. Up to 4 sequences the grid has at most one CTA per SM of
+    # an H200 (132) and runs the prefetch build (build.small_grid_schedule); 5 and more run the plain one.
+    # Either way each sequence gets the bits it gets alone and with the rule off, whatever the batch.
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    p = T.make_problem([4096, 4000, 1, 4096, 3000, 2500, 4096, 100], num_heads=32, num_kv_heads=8, head_dim=128,
+                       dtype=torch.bfloat16, seed=41)
+    off = build.CANDIDATES["v3 mma no small-grid prefetch"]
+    full = decode(p)
+    check(full, p, torch.bfloat16)
+    assert T.same_bits(full, decode(p, tuning=off))
+    for seqs in ([0], [3, 1], [6, 0, 4], [1, 2, 3, 0], [7, 6, 5, 4, 3]):
+        sub = T.select(p, seqs)
+        ctas = 8 * -(-int(sub.context_lens.max()) // build.MmaTuning().partition_size) * len(seqs)
+        assert build.small_grid_schedule(build.MmaTuning(), 128, ctas, num_sms).prefetch == (ctas <= num_sms)
+        rows = full[torch.tensor(seqs, device="cuda")]
+        assert T.same_bits(decode(sub, out=torch.full_like(sub.q, float("nan"))), rows)
+        assert T.same_bits(decode(T.permute_blocks(sub, seed=len(seqs)), tuning=off), rows)
+
+
 # The schedules of the merge, each the reduce kernel's bits: the last partition CTA merges (ticket counters),
 # or the reduce kernel is launched as v3's programmatic dependent (PDL: resident before v3 ends, it waits for it).
 SCHEDULES = {"in kernel": dict(merge_in_kernel=True), "pdl": dict(pdl=True)}

@@ -13,6 +13,7 @@ benchmark processes after it only load binaries (pagedref/kernels/device_check.s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -65,16 +66,18 @@ class DecodeTuning:
 @dataclass(frozen=True)
 class MmaTuning:
     """The tensor-core decode kernel's (v3) fixed design constants, under the same rule: only
-    partition_size changes the arithmetic; min_ctas_per_sm, load_hint, prefetch and merge_in_kernel only the
-    schedule."""
+    partition_size changes the arithmetic; the others (load hints, prefetch, where and when the merge runs) only
+    the schedule."""
 
     version: ClassVar[int] = 3
     partition_size: int = MMA_PARTITION_SIZE
     min_ctas_per_sm: int | None = None  # __launch_bounds__ hint; None: splitk.MMA_MIN_CTAS_PER_SM[head_dim]
     load_hint: bool = False  # K/V loads skip L1 and ask L2 for whole 256-byte rows
+    evict_first: bool = False  # K/V loads skip L1 and are the first lines L2 evicts (not with load_hint)
     prefetch: bool = False  # each warp asks L2 for its slab after next (costs ~6 registers: take 3 CTAs per SM)
     merge_in_kernel: bool = False  # the last partition CTA to finish merges (no reduce launch); same bits
     pdl: bool = False  # the reduce kernel launches while v3 runs and waits for it in-kernel (sm_90); same bits
+    small_grid_prefetch: bool = True  # a grid of at most one CTA per SM runs small_grid_schedule's build; same bits
 
 
 def decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta: int,
@@ -100,7 +103,27 @@ def mma_decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta:
         ("PR_DTYPE", DTYPE_CODES[dtype]), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),
         ("HEADS_PER_CTA", heads_per_cta), ("PARTITION_SIZE", tuning.partition_size), ("MIN_CTAS_PER_SM", min_ctas),
         ("KV_LOAD_HINT", int(tuning.load_hint)), ("KV_PREFETCH", int(tuning.prefetch)), ("DECODE_MMA", 1),
+        *((("KV_EVICT_FIRST", 1),) if tuning.evict_first else ()),
         *((("MERGE_IN_KERNEL", 1),) if tuning.merge_in_kernel else ()), *((("PDL", 1),) if tuning.pdl else ())))
+
+
+SMALL_GRID_HEAD_DIMS = (128,)  # where small_grid_schedule applies (measured there)
+
+
+def small_grid_schedule(tuning: MmaTuning, head_dim: int, num_ctas: int, num_sms: int) -> MmaTuning:
+    """v3's schedule for a launch of `num_ctas` CTAs on `num_sms` SMs (launch.paged_attention_decode asks).
+
+    A grid of at most one CTA per SM (a few long sequences: 1-4 of 4096 tokens are 32-128 CTAs at 32 / 8
+    heads) leaves each SM's registers to one CTA, so the build that also asks L2 for each warp's slab after
+    next (`prefetch`, ~6 more registers: 3 CTAs per SM) costs no occupancy, and it streams 9-11% faster there
+    (H200, 2026-12-02, docs/benchmarks.md); once the grid fills the GPU it loses 4-40%, so larger grids keep
+    the tuning they came with. A schedule: the same bits either way, so a sequence's result still does not
+    depend on its batch (tests/test_kernels_gpu.py crosses the threshold). `small_grid_prefetch=False` in
+    the tuning turns it off (a benchmark candidate)."""
+    if (not tuning.small_grid_prefetch or tuning.prefetch or head_dim not in SMALL_GRID_HEAD_DIMS
+            or num_ctas > num_sms):
+        return tuning
+    return dataclasses.replace(tuning, prefetch=True, min_ctas_per_sm=3)
 
 
 # Candidate tunings the benchmark times at every shape and the GPU tests check (16-bit K/V, head_dim
@@ -130,6 +153,10 @@ CANDIDATES: dict[str, DecodeTuning | MmaTuning] = {
     # the reduce launched as v3's programmatic dependent (PDL): it is resident while v3 ends, the same bits
     "v3 mma pdl": MmaTuning(pdl=True),
     "v3 mma p2048 pdl": MmaTuning(partition_size=2048, pdl=True),
+    # the default without small_grid_schedule's prefetch build at grids of at most one CTA per SM (the same bits)
+    "v3 mma no small-grid prefetch": MmaTuning(small_grid_prefetch=False),
+    # K/V lines first out of L2: the block numbers and the partials the reduce kernel reads back stay in it
+    "v3 mma evict first": MmaTuning(evict_first=True),
 }
 
 
@@ -279,7 +306,7 @@ CACHE_OPS = KernelConfig("cache_ops.cu")
 
 def ci_configs() -> list[KernelConfig]:
     """What CI compiles: every dtype x head_dim x block_size (and decode v3 / prefill v2 / v3 where they apply), every
-    heads-per-CTA at bf16/128/16, every candidate tuning."""
+    heads-per-CTA at bf16/128/16, every candidate tuning, and what small_grid_schedule makes of each v3 one."""
     grid = itertools.product(DTYPE_CODES, SUPPORTED_HEAD_DIMS, SUPPORTED_BLOCK_SIZES)
     configs = [CACHE_OPS]
     for dtype, head_dim, block_size in grid:
@@ -292,9 +319,15 @@ def ci_configs() -> list[KernelConfig]:
     v3_schedules = (PrefillV3Schedule(), PREFILL_V3_SCHEDULES["persistent rcp"], PREFILL_V3_SCHEDULES["rcp bt"])
     configs += [prefill_config(dtype, head_dim, block_size, version=3, schedule=s) for dtype in ("float16", "bfloat16")
                 for head_dim in PREFILL_V3_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES for s in v3_schedules]
+    # v3's small-grid build (small_grid_schedule) wherever the default v3 runs at head_dim 128
+    small = small_grid_schedule(MmaTuning(), SMALL_GRID_HEAD_DIMS[0], num_ctas=1, num_sms=1)
+    configs += [mma_decode_config(dtype, head_dim, block_size, 4, small) for dtype in ("float16", "bfloat16")
+                for head_dim in SMALL_GRID_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES]
     configs += [decode_config("bfloat16", 128, 16, g, t) for g in (1, 2, 3, 5, 6, 7, 8)
-                for t in (DecodeTuning(), MmaTuning())]
+                for t in (DecodeTuning(), MmaTuning(), small)]
     configs += [decode_config(dtype, 128, 16, 4, t) for dtype in ("float16", "bfloat16") for t in CANDIDATES.values()]
+    configs += [decode_config(dtype, 128, 16, 4, small_grid_schedule(t, 128, num_ctas=1, num_sms=1))
+                for dtype in ("float16", "bfloat16") for t in CANDIDATES.values() if t.version == 3]
     configs += [prefill_config("bfloat16", head_dim, 16, 3, schedule=s) for head_dim in PREFILL_V3_HEAD_DIMS
                 for s in PREFILL_V3_SCHEDULES.values()]
     configs += [KernelConfig("fused_ops.cu", (("PR_DTYPE", code),)) for code in DTYPE_CODES.values()]  # kernels.fused

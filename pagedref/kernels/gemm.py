@@ -125,17 +125,6 @@ def _output_map(t: torch.Tensor, box_cols: int) -> _TmaMap:
                        t.dtype, 0)
 
 
-def _launch_gemm(config: build.KernelConfig, tile: GemmTile, grid: tuple[int, int, int], args: list, device) -> None:
-    import cupy
-
-    kernel = build.function(config, "gemm_tn")
-    smem = gemm_shared_bytes(tile)
-    if kernel.max_dynamic_shared_size_bytes < smem:
-        kernel.max_dynamic_shared_size_bytes = smem
-    with cupy.cuda.Device(device.index):
-        driver.launch(kernel, grid, THREADS, args, torch.cuda.current_stream(device).cuda_stream, shared_mem=smem)
-
-
 # --- the public calls ---------------------------------------------------------------------------------
 
 def tile_fits(tile: GemmTile, n: int, silu_mul: bool = False) -> bool:
@@ -186,7 +175,8 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, tile:
             _output_map(out if partial is None else partial, width), ctypes.c_int(m), ctypes.c_int(k // BK),
             ctypes.c_int(cols if silu_mul else 0)]
     config = gemm_config(validate.DTYPE_NAMES[x.dtype], tile, silu_mul=silu_mul)
-    _launch_gemm(config, tile, (_row_tiles(m, tile), cols // width, tile.splits), args, x.device)
+    launch._launch(config, "gemm_tn", x.device, (_row_tiles(m, tile), cols // width, tile.splits), tuple(args),
+                   shared_mem=gemm_shared_bytes(tile), threads=THREADS)
     if partial is not None:
         count = m * n
         launch._launch(config, "gemm_splitk_reduce", x.device, (-(-count // 4 // REDUCE_THREADS),),

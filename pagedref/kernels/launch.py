@@ -59,17 +59,18 @@ def _external_stream(ptr: int, device: int):
 
 def _launch(config: build.KernelConfig, name: str, device: torch.device, grid: tuple, args: tuple,
             shared_mem: int = 0, threads: int = NUM_THREADS, pdl: bool = False) -> None:
-    """Launch `name` of `config` on torch's current stream of `device` (pdl: as a programmatic dependent
-    launch, through the driver: kernels.driver)."""
+    """Launch `name` of `config` on torch's current stream of `device`: through CuPy, or through the driver
+    (kernels.driver) for what CuPy does not pass: a programmatic dependent launch (pdl), or an argument that is
+    a ctypes value rather than a numpy scalar (the GEMM's 128-byte TMA descriptors)."""
     import cupy
 
     kernel = build.function(config, name)
     if shared_mem > _STATIC_SMEM_LIMIT and kernel.max_dynamic_shared_size_bytes < shared_mem:
         kernel.max_dynamic_shared_size_bytes = shared_mem
     torch_stream = torch.cuda.current_stream(device).cuda_stream
-    if pdl:
+    if pdl or not all(isinstance(a, np.generic) for a in args):
         with cupy.cuda.Device(device.index):
-            driver.launch(kernel, grid, threads, args, torch_stream, shared_mem=shared_mem, pdl=True)
+            driver.launch(kernel, grid, threads, args, torch_stream, shared_mem=shared_mem, pdl=pdl)
         return
     stream = _external_stream(torch_stream, device.index)
     with cupy.cuda.Device(device.index), stream:
@@ -119,6 +120,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if shape.num_seqs > _MAX_GRID_YZ:
         raise ValueError(f"{shape.num_seqs} sequences in one decode launch; at most {_MAX_GRID_YZ} are supported")
     hpc = heads_per_cta(shape.num_heads, shape.num_kv_heads) if version >= 2 else 1
+    grid = (shape.num_heads // hpc, max_parts, shape.num_seqs)
+    if version == 3:  # a schedule chosen from the grid: never a bit of the result
+        tuning = build.small_grid_schedule(tuning, shape.head_dim, grid[0] * grid[1] * grid[2], _num_sms(q.device))
     config = build.decode_config(_dtype_name(q), shape.head_dim, shape.block_size, hpc, tuning)
     common = (_ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(context_lens), np.int32(shape.max_blocks),
               np.int32(shape.num_heads), np.int32(shape.num_kv_heads))
@@ -138,7 +142,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if version == 3:
         counters = (_ptr(_merge_counters(q.device, shape.num_seqs * (shape.num_heads // hpc))) if merge_in_kernel
                     else np.uint64(0),)
-    _launch(config, f"paged_attention_v{version}", q.device, (shape.num_heads // hpc, max_parts, shape.num_seqs),
+    _launch(config, f"paged_attention_v{version}", q.device, grid,
             (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(q), *common,
              np.int32(max_parts), np.float32(scale), *counters))
     if max_parts > 1 and not merge_in_kernel:
