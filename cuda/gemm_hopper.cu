@@ -36,7 +36,10 @@
 //     of the same column, and the epilogue writes out = silu(gate) * up [M, I] with exactly the arithmetic
 //     of fused_ops.cu's silu_and_mul on the rounded gate and up: the same bits as the GEMM then that kernel.
 //   * Split-K (gridDim.z > 1, the narrow shapes): split z sums its own k-steps and writes fp32 partials
-//     [splits, M, N]; gemm_splitk_reduce adds them in split order and rounds once.
+//     [splits, M, N]; gemm_splitk_reduce adds them in split order and rounds once. Summing two splits inside
+//     a cluster instead (split 1's sums stored into split 0's shared memory) gave the same bits and was
+//     dropped: beside the row-tile multicast it makes clusters of four CTAs, which do not all fit on the GPU
+//     at once (down at 256 rows: 88.5 us against 49.8; docs/benchmarks.md, 2026-12-02).
 // Bits: every output element is a sum over K in an order fixed by (BN, the split count, wgmma's own
 // order within a k-step): the same for every row, whatever M, the other rows or the launch. So a row's
 // result does not depend on the batch (cuBLAS picks its kernel, hence its order, from M).

@@ -84,6 +84,17 @@ def test_classify_kernels_sums_per_step():
     assert profile.classify_kernels(times, steps=2) == {"gemm": 2.0, "attention": 0.5, "other": 0.25}
 
 
+def test_overlapping_kernels_count_once_and_the_earlier_one_keeps_the_overlap():
+    # gemm 0-10, its split-K reduce launched early (5-12: it waits in the kernel until 10), attention 12-20,
+    # a copy inside the attention (14-15), gemm again 20-30: the reduce counts 2 µs, the copy none, and the
+    # times add up to the 30 µs the GPU was busy.
+    kernels = [("gemm_tn", 20.0, 30.0), ("gemm_tn", 0.0, 10.0), ("gemm_splitk_reduce", 5.0, 12.0),
+               ("paged_attention_v3", 12.0, 20.0), ("Memcpy DtoD", 14.0, 15.0)]
+    times = dict(profile.exclusive_times(kernels))
+    assert times == {"gemm_tn": 20.0, "gemm_splitk_reduce": 2.0, "paged_attention_v3": 8.0, "Memcpy DtoD": 0.0}
+    assert profile.classify_kernels(list(times.items()), steps=1) == {"gemm": 0.022, "attention": 0.008, "other": 0.0}
+
+
 def test_top_kernels_are_the_longest_per_step_with_their_class():
     times = [("nvjet_a", 3000.0), ("paged_attention_v3", 1000.0), ("nvjet_b", 1200.0), ("elementwise", 500.0)]
     assert profile.top_kernels(times, steps=2, n=3) == [

@@ -88,6 +88,19 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
+def exclusive_times(kernels: list[tuple[str, float, float]]) -> list[tuple[str, float]]:
+    """[(kernel name, start µs, end µs)] -> [(kernel name, µs)] summed per name, each kernel counting only the
+    time when no kernel that started before it was still running. A kernel launched under another's tail (a
+    programmatic dependent launch: it is resident early and waits in the kernel, as split-K's reduce after the
+    GEMM) counts only what it runs after, so the classes' times add up to the GPU's busy time."""
+    totals: dict[str, float] = {}
+    covered = float("-inf")  # the end of the latest-ending kernel so far
+    for name, start, end in sorted(kernels, key=lambda k: (k[1], k[2])):
+        totals[name] = totals.get(name, 0.0) + max(0.0, end - max(start, covered))
+        covered = max(covered, end)
+    return list(totals.items())
+
+
 def top_kernels(times_us: list[tuple[str, float]], steps: int, n: int = TOP_KERNELS) -> list[tuple[str, str, float]]:
     """[(kernel name, GPU µs)] over `steps` steps -> the n longest as [(class, name, ms per step)]."""
     ranked = sorted(times_us, key=lambda t: -t[1])[:n]
@@ -137,8 +150,10 @@ def _gpu_kernels(step, steps: int) -> tuple[dict[str, float], list[tuple[str, st
             step()
         if gpu:
             torch.cuda.synchronize()
-    # the kernels themselves (device events), not the CPU ops that launched them: no double count
-    times = [(e.key, e.self_device_time_total) for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    # the kernels themselves (device events), not the CPU ops that launched them: no double count; where two
+    # overlap, the later one counts from the earlier one's end (exclusive_times)
+    times = exclusive_times([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                             if e.device_type == DeviceType.CUDA])
     return classify_kernels(times, steps), top_kernels(times, steps)
 
 

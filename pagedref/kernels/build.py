@@ -115,7 +115,7 @@ def small_grid_schedule(tuning: MmaTuning, head_dim: int, num_ctas: int, num_sms
 
     A grid of at most one CTA per SM (a few long sequences: 1-4 of 4096 tokens are 32-128 CTAs at 32 / 8
     heads) leaves each SM's registers to one CTA, so the build that also asks L2 for each warp's slab after
-    next (`prefetch`, ~6 more registers: 3 CTAs per SM) costs no occupancy, and it streams 9-11% faster there
+    next (`prefetch`, ~6 more registers: 3 CTAs per SM) costs no occupancy, and it streams 12-16% faster there
     (H200, 2026-12-02, docs/benchmarks.md); once the grid fills the GPU it loses 4-40%, so larger grids keep
     the tuning they came with. A schedule: the same bits either way, so a sequence's result still does not
     depend on its batch (tests/test_kernels_gpu.py crosses the threshold). `small_grid_prefetch=False` in
