@@ -40,6 +40,11 @@
 //     a cluster instead (split 1's sums stored into split 0's shared memory) gave the same bits and was
 //     dropped: beside the row-tile multicast it makes clusters of four CTAs, which do not all fit on the GPU
 //     at once (down at 256 rows: 88.5 us against 49.8; docs/benchmarks.md, 2026-12-02).
+//   * One CTA an SM. Two (288 threads: a producer warp, no setmaxnreg; half the ring each, so one CTA's epilogue
+//     runs beside the other's main loop) gave the same bits and lost at every 8B shape: q/k/v at 256 rows 33.2 us
+//     against 23.1, gate/up + SiLU 99.2 against 89.3 (the ring 3 stages deep, narrower tiles; docs/benchmarks.md,
+//     2026-12-02, afternoon). A 384-thread CTA cannot be one of two: ptxas holds its consumers to the launch
+//     bounds' 80 registers whatever setmaxnreg grants.
 // Bits: every output element is a sum over K in an order fixed by (BN, the split count, wgmma's own
 // order within a k-step): the same for every row, whatever M, the other rows or the launch. So a row's
 // result does not depend on the batch (cuBLAS picks its kernel, hence its order, from M).

@@ -171,11 +171,11 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, tile:
         return out
     partial = torch.empty((tile.splits, m, n), dtype=torch.float32, device=x.device) if tile.splits > 1 else None
     width = tile.bn // 2 if silu_mul else tile.bn  # the output columns of one tile
-    args = [_matrix_map(x, BM), _matrix_map(weight, tile.bn // 2),
+    args = (_matrix_map(x, BM), _matrix_map(weight, tile.bn // 2),
             _output_map(out if partial is None else partial, width), ctypes.c_int(m), ctypes.c_int(k // BK),
-            ctypes.c_int(cols if silu_mul else 0)]
+            ctypes.c_int(cols if silu_mul else 0))
     config = gemm_config(validate.DTYPE_NAMES[x.dtype], tile, silu_mul=silu_mul)
-    launch._launch(config, "gemm_tn", x.device, (_row_tiles(m, tile), cols // width, tile.splits), tuple(args),
+    launch._launch(config, "gemm_tn", x.device, (_row_tiles(m, tile), cols // width, tile.splits), args,
                    shared_mem=gemm_shared_bytes(tile), threads=THREADS)
     if partial is not None:
         count = m * n

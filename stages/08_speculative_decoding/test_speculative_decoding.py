@@ -196,7 +196,9 @@ def with_your_draft_model(draft: str, k: int) -> tuple[LLM, object]:
 
 
 def generates_llama2c_tokens(llm: LLM, what: str) -> None:
-    cases = stories_cases()
+    # Three of llama2.c's six prompts: two that end at its BOS, one that runs to the 512-token context (a draft
+    # must stop at the room left). tests/test_spec_decode.py runs all six; each costs seconds on a CPU.
+    cases = [stories_cases()[i] for i in (1, 3, 5)]
     outs = llm.generate([prompt(c) for c in cases], GREEDY)
     for out, case in zip(outs, cases):
         assert out.outputs[0].token_ids == expected(case), \
