@@ -33,8 +33,8 @@ def test_every_mutant_names_a_stage_with_tests_and_applies(tmp_path):
 
 @pytest.mark.parametrize("number", sorted({m.stage for m in MUTANTS}), ids=lambda n: f"stage{n}")
 def test_every_wrong_version_fails_a_test_that_names_its_rule(number):
-    # The copy every mutant starts from passes every stage: tests/test_course.py's
-    # test_a_learner_package_completed_with_the_reference_passes_every_stage checks exactly that copy, once.
+    # The copy every mutant starts from (course.init past the last stage) passes every stage: tests/test_course.py's
+    # test_a_learner_package_completed_with_the_reference_passes_every_stage grades such a copy, once for all stages.
     results = course.run_mutants([m for m in MUTANTS if m.stage == number], log=lambda line: None,
                                  check_reference=False)
     survived = [r for r in results if not r.killed]
