@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compile every CUDA kernel of cuda/ with nvcc, for every configuration the package instantiates
+# Compile every CUDA kernel of cuda/ with nvcc (then NVRTC's front end), for every configuration the package instantiates
 # (each dtype x head_dim x block_size, each heads-per-CTA), so a kernel that does not compile fails
 # CI on a machine without a GPU. The configuration list comes from pagedref.kernels.build.print_ci_configs()
 # (the same -D options CuPy's NVRTC gets at run time). Skips, successfully, if nvcc is absent.
@@ -32,3 +32,6 @@ export -f compile
 export ARCH tmp
 awk '{print NR, $0}' "$tmp/configs" | xargs -d '\n' -P "$JOBS" -n 1 bash -c 'compile $0'
 echo "compile_kernels: all configurations compiled"
+# And through NVRTC's front end, as the GPU machine compiles them (CuPy's options; sm_90a: build._arch_cubin's):
+# NVRTC refuses some code that nvcc takes. libnvrtc: the nvidia-cuda-nvrtc wheel (.ci/run installs it).
+python3 .ci/nvrtc_check.py

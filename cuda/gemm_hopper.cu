@@ -31,6 +31,10 @@
 //   * setmaxnreg: the producer gives its registers back (40), the consumers take them (232).
 //   * Epilogue: the accumulators rounded to 16 bits (split-K: fp32) into the ring's shared memory, and from
 //     there to C by one bulk tensor store (TMA): whole rows, where the fragments' own stores cost 10-22%.
+//     The row-major staging has bank conflicts (Nsight Compute: 4 wavefronts a store where 1 would do at BN = 96
+//     and for the fp32 partials, 2 for gate/up's SiLU rows). Staged in 32-byte swizzled boxes instead (one
+//     SWIZZLE_32B store per box) it had none, gave the same bits and moved no GEMM by more than 1% (gate/up -0.9%,
+//     down -0.3%, SiLU +0.3%; docs/benchmarks.md, 2026-12-02, evening): not kept.
 //   * GEMM_SILU_MUL=1 (the MLP's gate/up): B is the merged [gate | up] matrix [2 I, K]; a CTA's BN rows are
 //     BN / 2 gate rows and the same BN / 2 up rows (two copies per stage), so one lane holds gate and up
 //     of the same column, and the epilogue writes out = silu(gate) * up [M, I] with exactly the arithmetic

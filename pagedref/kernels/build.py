@@ -350,6 +350,11 @@ def module(config: KernelConfig):
     return cupy.RawModule(code=config.source.read_text() + _headers_stamp(), options=config.options())
 
 
+def _arch_options(config: KernelConfig) -> tuple[str, ...]:
+    """NVRTC's options for a config with its own target (-ftz as CuPy compiles; .ci/nvrtc_check.py reads them)."""
+    return (*config.options(), f"--gpu-architecture={config.arch}", "-ftz=true")
+
+
 def _arch_cubin(config: KernelConfig) -> Path:
     """A config with its own target, compiled by NVRTC to a cubin in CuPy's cache directory (compiled
     once per source, options and NVRTC version) -> its path. CuPy's RawModule always appends the
@@ -357,7 +362,7 @@ def _arch_cubin(config: KernelConfig) -> Path:
     from cupy.cuda import nvrtc
 
     source = config.source.read_text() + _headers_stamp()
-    options = (*config.options(), f"--gpu-architecture={config.arch}", "-ftz=true")  # -ftz as CuPy compiles
+    options = _arch_options(config)
     key = hashlib.sha256("\0".join((source, *options, str(nvrtc.getVersion()))).encode()).hexdigest()[:32]
     cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
     path = cache / f"pagedref_{config.file.split('.')[0]}_{key}.cubin"
