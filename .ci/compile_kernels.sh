@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Compile every CUDA kernel of cuda/ with nvcc (then NVRTC's front end), for every configuration the package instantiates
-# (each dtype x head_dim x block_size, each heads-per-CTA), so a kernel that does not compile fails
+# Compile every CUDA kernel of cuda/ with nvcc (then NVRTC's front end), for every configuration the package
+# instantiates (each dtype x head_dim x block_size, each heads-per-CTA), so a kernel that does not compile fails
 # CI on a machine without a GPU. The configuration list comes from pagedref.kernels.build.print_ci_configs()
 # (the same -D options CuPy's NVRTC gets at run time). Skips, successfully, if nvcc is absent.
 # To a cubin, not PTX: ptxas then runs too, and it is ptxas that refuses a kernel over a limit of the

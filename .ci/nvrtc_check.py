@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pagedref.kernels import build
 
-# What CuPy's RawModule adds to a module's own options (cupy/cuda/compiler.py, NVRTC >= 12), the target an H200's.
+# What CuPy's RawModule adds to a module's own options (cupy/cuda/compiler.py, NVRTC >= 12), for an H200 (sm_90).
 CUPY_OPTIONS = ("--device-as-default-execution-space", "--gpu-architecture=sm_90", "-ftz=true")
 
 
