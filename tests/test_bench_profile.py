@@ -121,6 +121,22 @@ def test_main_writes_the_document_and_prints_both_engines(tiny_dir, tmp_path, ca
                                 "ms", *PHASES]
     assert lines[3].split()[:4] == ["paged", "torch", "off", "6"] and lines[4].split()[:4] == ["contiguous", "torch", "off", "4"]
     assert lines[3].split()[6:8] == ["n/a", "n/a"], "the CPU has no GPU to idle: GPU span and idle are not applicable"
+    assert all(r["telemetry"] is None for r in doc["results"]), "the CPU has no SM clock to sample"
+    assert not any("SM clock" in line for line in lines)
+
+
+def test_the_report_gives_the_steps_clock_and_power_where_they_were_sampled(capsys):
+    tele = {"samples": 9, "sm_clock_mhz": 1512.0, "sm_clock_min_mhz": 1380.0, "power_w": 655.0, "power_max_w": 699.0,
+            "slowed_share": 0.8, "power_capped_share": 0.75, "energy_j": 126.0, "window_s": 0.18, "steps": 20}
+    r = profile.ProfileResult("paged", 256, 214.0, 9.1, {p: 0.0 for p in PHASES}, None, 1, 1.0, 1.0, telemetry=tele)
+    doc = {"environment": {"device": "cuda", "gpu": "NVIDIA H200", "torch": "2.11", "date": "today"}, "copy_bandwidth": None,
+           "shape": "llama-3.1-8b", "num_requests": 256, "prompt_len": 160, "num_kv_blocks": 4096,
+           "results": [__import__("dataclasses").asdict(r)]}
+    profile.print_report(doc)
+    out = capsys.readouterr().out
+    assert "SM clock 1512 MHz (min 1380), power 655 W (max 699), power-capped in 75% of 9 samples" in out
+    assert "6.30 J a step, 700 W mean (NVML)" in out, "the window's energy over its steps, and over its length"
+
 
 
 def test_async_on_and_off_side_by_side(tiny_dir, tmp_path, capsys):
@@ -153,3 +169,5 @@ def test_on_a_gpu_the_kernels_are_timed_by_class(tiny_dir):
     assert r.kernels_ms["gemm"] > 0 and r.kernels_ms["attention"] > 0, r.kernels_ms
     assert r.bandwidth("attention") > 0
     assert profile.copy_bandwidth(__import__("torch").device("cuda")) > 1e9
+    if __import__("shutil").which("nvidia-smi"):
+        assert r.telemetry and r.telemetry["samples"] > 0 and r.telemetry["sm_clock_mhz"] > 0, r.telemetry

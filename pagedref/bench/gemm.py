@@ -31,6 +31,7 @@ import os
 import re
 import sys
 import tempfile
+from dataclasses import asdict
 
 from pagedref.bench.common import SHAPES, environment, size_pair
 
@@ -88,11 +89,14 @@ def set_mode(mode: str) -> None:
 
 
 def bench_mode(mode: str, shapes: dict[str, tuple[int, int]], rows: list[int], reps: int,
-               tiles: list | None = None) -> dict[str, float]:
-    """{"name@M": µs} of each shape in `mode` (pagedref: also "name@M:BNxS" for each of `tiles`)."""
+               tiles: list | None = None, sustain_s: float = 0.0, sustained: dict | None = None) -> dict[str, float]:
+    """{"name@M": µs} of each shape in `mode` (pagedref: also "name@M:BNxS" for each of `tiles`). With sustain_s,
+    each is also run round and round for that long and `sustained[key]` gets its µs, energy, power and clock
+    there (bench.telemetry.sustained: the power-capped figures a long run sees)."""
     import torch
 
-    from pagedref.bench.kernel import num_sets, time_ms
+    from pagedref.bench import telemetry
+    from pagedref.bench.kernel import measure, num_sets, prepare
 
     set_mode(mode)
     out = {}
@@ -108,8 +112,12 @@ def bench_mode(mode: str, shapes: dict[str, tuple[int, int]], rows: list[int], r
                      torch.empty(m, n // 2, device="cuda", dtype=torch.bfloat16))  # silu(gate) * up
                     for _ in range(num_sets(2 * (m * k + n * k + m * n)))]
             for label, call in calls(mode, silu, n, k, tiles):
-                ms, _ = time_ms([lambda x=x, w=w, y=y, h=h: call(x, w, y, h) for x, w, y, h in sets], reps)
-                out[f"{name}@{m}{label}"] = ms * 1e3
+                replays, _ = prepare([lambda x=x, w=w, y=y, h=h: call(x, w, y, h) for x, w, y, h in sets])
+                out[f"{name}@{m}{label}"] = measure(replays, reps) * 1e3
+                if sustain_s > 0 and sustained is not None:
+                    sec, tele = telemetry.sustained(replays, sustain_s, telemetry.device_uuid(torch.device("cuda")),
+                                                    sync=torch.cuda.synchronize)
+                    sustained[f"{name}@{m}{label}"] = {"us": sec * 1e6, **(asdict(tele) if tele else {})}
     set_mode("default")
     return out
 
@@ -153,6 +161,20 @@ def print_report(res: dict) -> None:
             print(f"    pagedref {key}: {us:.1f} µs ({2 * m * k * n / us / 1e6:.0f} TFLOP/s)")
 
 
+def print_sustained(res: dict) -> None:
+    """The --sustain figures: each GEMM's µs, energy a call, mean power and SM clock when run round and round."""
+    for mode, figures in res.get("sustained", {}).items():
+        for key, f in figures.items():
+            name, m = key.split("@")[0], int(key.split("@")[1].split(":")[0])
+            k, n = res["shapes"][name]
+            energy = f.get("energy_j")
+            calls = f.get("window_s", 0) / (f["us"] * 1e-6) if f.get("window_s") else None
+            mj = energy / calls * 1e3 if energy and calls else None
+            print(f"  sustained {mode} {key}: {f['us']:.1f} µs" + (
+                f", {mj:.2f} mJ ({mj * 1e-3 / (2 * m * k * n) * 1e12:.2f} pJ/FLOP), {energy / f['window_s']:.0f} W" if mj else "")
+                + (f", SM {f['sm_clock_mhz']:.0f} MHz, power-capped {f['power_capped_share']:.0%}" if "sm_clock_mhz" in f else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pagedref.bench gemm", description=__doc__.split("\n")[0])
     ap.add_argument("--model-shape", choices=sorted(SHAPES), default="llama-3.1-8b")
@@ -163,10 +185,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="more (K, N) weight shapes to time beside the model's projections")
     ap.add_argument("--tiles", nargs="+", type=tile_arg, default=[], metavar="BNxSPLITS",
                     help="pagedref mode: also time these tilings of every shape they divide")
+    ap.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
+                    help="also run each GEMM round and round this long: its µs, energy and clock under the power cap")
     ap.add_argument("--json", help="also write the results as JSON to this path")
     args = ap.parse_args(argv)
-    if min(args.rows) < 1 or args.reps < 1:
-        ap.error("--rows and --reps must be positive")
+    if min(args.rows) < 1 or args.reps < 1 or args.sustain < 0:
+        ap.error("--rows and --reps must be positive, --sustain at least 0")
     import torch
 
     if not torch.cuda.is_available():
@@ -177,8 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     res = {"command": "python -m pagedref.bench gemm " + " ".join(argv or []), **environment("cuda"),
            "model_shape": args.model_shape, "num_layers": SHAPES[args.model_shape]["num_hidden_layers"],
            "shapes": shapes, "rows": args.rows, "modes": args.modes,
-           "us": {mode: bench_mode(mode, shapes, args.rows, args.reps, args.tiles) for mode in args.modes}}
+           "us": {}, "sustained": {mode: {} for mode in args.modes}}
+    for mode in args.modes:
+        res["us"][mode] = bench_mode(mode, shapes, args.rows, args.reps, args.tiles, args.sustain, res["sustained"][mode])
     print_report(res)
+    print_sustained(res)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -17,6 +17,9 @@ Once every running sequence decodes, it measures one `LLMEngine.step()`:
   GPU's work, since the step synchronizes right after the forward);
 - kernels (CUDA only, torch.profiler): GPU time in matrix multiplies, in attention (the paged
   kernels and the cache write) and in everything else (norms, RoPE, activations, copies);
+- the GPU's SM clock and power over the wall-timed steps (`bench.telemetry`, sampled by nvidia-smi): a
+  sustained 8B step at 256 sequences runs under the H200's 700 W cap, at a lower clock than a short
+  burst of the same kernels;
 - the roofline: what a step must read, the weights once and every running sequence's K/V in every
   layer, over the matmul and attention time, as a share of the device's copy bandwidth measured
   in the same run (a device-to-device copy: read + write bytes over its time).
@@ -42,7 +45,7 @@ from typing import Any
 
 import torch
 
-from pagedref.bench import common, serve
+from pagedref.bench import common, serve, telemetry
 from pagedref.bench.memory import BLOCK_SIZE
 from pagedref.bench.step import PHASES, PhaseTimer
 
@@ -68,6 +71,7 @@ class ProfileResult:
     gpu_idle_ms: float | None = None  # per step, mean: wall time the GPU had no step to run (None: CPU)
     top_kernels: list[tuple[str, str, float]] | None = None  # [(class, kernel name, ms per step)], the longest first
     weight_gemm: str = "torch"  # the engine's weight_gemm: "torch" (cuBLAS), "pagedref", or the ops, comma-joined
+    telemetry: dict | None = None  # the wall-timed steps' SM clock, power, energy (bench.telemetry.Telemetry) and steps
 
     def bandwidth(self, what: str) -> float | None:
         """Bytes per second the step's matmuls (what="gemm", the weights) or attention kernels
@@ -200,7 +204,7 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
             engine.step(final_only=True)
             return time.perf_counter() - t0
 
-        wall, span, idle = _wall_and_idle(engine, timed_step, steps)
+        wall, span, idle, tele = _wall_and_idle(engine, timed_step, steps)
         phases = _phases(engine, timed_step, steps)
         kernel_ms = top = None
         if kernels or (kernels is None and device == "cuda"):  # the bytes below are the kernel steps' own
@@ -213,30 +217,32 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
         context = statistics.mean(contexts)
         return ProfileResult(kv_cache, num_seqs, context, 1e3 * wall, phases, kernel_ms, weight_bytes,
                              num_seqs * context * kv_per_token, 2.0 * num_seqs * num_params,
-                             engine.async_scheduling, span, idle, top, weight_gemm)
+                             engine.async_scheduling, span, idle, top, weight_gemm, tele and {**asdict(tele), "steps": steps})
     finally:
         llm.close()
         common.free_device(device)
 
 
-def _wall_and_idle(engine, timed_step, steps: int) -> tuple[float, float | None, float | None]:
-    """(median wall s per step, GPU span ms per step, GPU idle ms per step); the GPU numbers are None
-    on the CPU. The window starts and ends with the device idle, so its wall time is the steps' own."""
+def _wall_and_idle(engine, timed_step, steps: int):
+    """(median wall s per step, GPU span ms per step, GPU idle ms per step, the window's Telemetry); the GPU
+    numbers are None on the CPU. The window starts and ends with the device idle, so its wall time is the
+    steps' own; the GPU's clock and power are sampled over it (bench.telemetry)."""
     runner = engine.runner
     if runner.device.type != "cuda":
-        return statistics.median(timed_step() for _ in range(steps)), None, None
+        return statistics.median(timed_step() for _ in range(steps)), None, None, None
     torch.cuda.synchronize()
     runner.step_events = []
-    start = time.perf_counter()
-    try:
-        walls = [timed_step() for _ in range(steps)]
-        torch.cuda.synchronize()
-        window = time.perf_counter() - start
-        events = runner.step_events
-    finally:
-        runner.step_events = None
+    with telemetry.GpuSampler(telemetry.device_uuid(runner.device)) as sampler:
+        start = time.perf_counter()
+        try:
+            walls = [timed_step() for _ in range(steps)]
+            torch.cuda.synchronize()
+            window = time.perf_counter() - start
+            events = runner.step_events
+        finally:
+            runner.step_events = None
     span_ms = sum(a.elapsed_time(b) for a, b in events)  # the steps launched in the window, all done now
-    return statistics.median(walls), span_ms / len(events), (1e3 * window - span_ms) / len(events)
+    return statistics.median(walls), span_ms / len(events), (1e3 * window - span_ms) / len(events), sampler.result
 
 
 def _phases(engine, timed_step, steps: int) -> dict[str, float]:
@@ -274,6 +280,14 @@ def print_report(doc: dict[str, Any]) -> None:
               + "".join(f"{r['phases_ms'][p]:>10.2f}" for p in PHASES))
     print("gpu ms: a step's span on the GPU (CUDA events); idle ms: wall time per step with no step on the GPU; "
           "phases: measured with a sync after each forward")
+    for r in doc["results"]:
+        t = r.get("telemetry")
+        if t:
+            print(f"{r['kv_cache']}, weight_gemm {r.get('weight_gemm', 'torch')}: SM clock {t['sm_clock_mhz']:.0f} MHz "
+                  f"(min {t['sm_clock_min_mhz']:.0f}), power {t['power_w']:.0f} W (max {t['power_max_w']:.0f}), "
+                  f"power-capped in {t['power_capped_share']:.0%} of {t['samples']} samples (nvidia-smi)"
+                  + (f"; {t['energy_j'] / t['steps']:.2f} J a step, {t['energy_j'] / t['window_s']:.0f} W mean (NVML)"
+                     if t.get("energy_j") and t.get("steps") and t.get("window_s") else ""))
     if not all(r["kernels_ms"] for r in doc["results"]):
         return
     print("GPU time per step (ms) and what it reads; bandwidth as a share of the copy bandwidth")

@@ -1,0 +1,126 @@
+"""bench.telemetry: nvidia-smi's samples parsed into a window's clock, power and slowdown shares (no GPU needed)."""
+
+import os
+import stat
+import sys
+
+import pytest
+
+from pagedref.bench import telemetry
+
+# Lines as `nvidia-smi --query-gpu=clocks.sm,power.draw,clocks_event_reasons.active --format=csv,noheader,nounits`
+# printed them on an H200 during the 8B step (2026-12-03): 0x4 is the software power cap.
+LINES = """1980, 368.88, 0x0000000000000000
+1410, 402.81, 0x0000000000000004
+1395, 506.63, 0x0000000000000004
+1380, 628.41, 0x0000000000000004
+"""
+
+
+def test_samples_give_the_window_mean_min_and_capped_share():
+    t = telemetry.parse(LINES)
+    assert t.samples == 4
+    assert t.sm_clock_mhz == pytest.approx((1980 + 1410 + 1395 + 1380) / 4)
+    assert t.sm_clock_min_mhz == 1380
+    assert t.power_max_w == pytest.approx(628.41)
+    assert t.power_capped_share == pytest.approx(0.75), "three of the four samples have the power cap (0x4) set"
+    assert t.slowed_share == pytest.approx(0.75)
+
+
+def test_a_thermal_slowdown_is_a_slowdown_but_not_the_power_cap():
+    t = telemetry.parse("1500, 300.0, 0x0000000000000040\n1980, 100.0, 0x0000000000000001\n")  # HW thermal; idle
+    assert t.slowed_share == 0.5 and t.power_capped_share == 0.0
+
+
+def test_lines_that_are_not_samples_are_skipped_and_none_means_no_sample():
+    assert telemetry.parse("clocks.sm [MHz], power.draw [W], clocks_event_reasons.active\n[N/A], [N/A], 0x0\n") is None
+    assert telemetry.parse("") is None
+    assert telemetry.parse("1980, 350.5, 0x0\n19") .samples == 1, "a line cut by the stop is not a sample"
+
+
+def test_without_a_gpu_the_sampler_reports_nothing():
+    with telemetry.GpuSampler(None) as s:
+        pass
+    assert s.result is None
+    assert telemetry.device_uuid("cpu") is None
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a shell script stands in for nvidia-smi")
+def test_the_sampler_runs_nvidia_smi_on_the_device_and_parses_what_it_printed(tmp_path, monkeypatch):
+    fake = tmp_path / "nvidia-smi"
+    args_file = tmp_path / "args"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {args_file}\nprintf '{LINES.replace(chr(10), chr(92) + 'n')}'\n"
+                    "exec sleep 30\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with telemetry.GpuSampler("1234-abcd", interval_ms=50) as s:
+        pass
+    assert s.result is not None and s.result.samples == 4
+    args = args_file.read_text().split()
+    assert args[:2] == ["-i", "GPU-1234-abcd"], "the GPU is named by its UUID, whatever CUDA_VISIBLE_DEVICES says"
+    assert f"--query-gpu={telemetry.QUERY}" in args and "-lms=50" in args
+
+
+class FakeNvml:
+    """pynvml's calls the sampler makes, on a counter that gains 350 J between its two reads."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self):
+        self.reads, self.handles = [10_000_000, 10_350_000], []
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        self.handles.append(uuid)
+        return uuid
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        return self.reads.pop(0)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a shell script stands in for nvidia-smi")
+def test_the_window_energy_is_nvmls_counter_difference(tmp_path, monkeypatch):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nprintf '1400, 690.0, 0x4\\n'\nexec sleep 30\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    nvml = FakeNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    with telemetry.GpuSampler("GPU-1234") as s:
+        pass
+    assert s.result.energy_j == pytest.approx(350.0), "millijoules from NVML, joules in the result"
+    assert s.result.window_s > 0 and nvml.handles == ["GPU-1234", "GPU-1234"]
+
+
+def test_without_nvml_the_energy_is_unknown(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    assert telemetry._energy_mj("GPU-1") is None
+
+
+def test_sustained_settles_then_times_the_sampled_rounds():
+    counts = []
+    calls = [lambda: counts.append(0), lambda: counts.append(1)]
+    per_call, tele = telemetry.sustained(calls, seconds=0.05, uuid=None, settle_s=0.02)
+    assert tele is None, "no GPU to sample: the timing alone"
+    assert per_call > 0 and len(counts) % 2 == 0 and len(counts) > 4, "whole rounds of every call, settling first"
+
+
+def test_bench_gemm_takes_a_sustain_time_and_refuses_a_negative_one(capsys):
+    from pagedref.bench import gemm as bench_gemm
+
+    with pytest.raises(SystemExit):
+        bench_gemm.main(["--sustain", "-1"])
+    assert "--sustain at least 0" in capsys.readouterr().err
+
+
+def test_the_sustained_report_gives_energy_a_call_and_pj_per_flop(capsys):
+    from pagedref.bench import gemm as bench_gemm
+
+    # q/k/v of the 8B at 256 rows, 25.9 µs a call over 1.5 s: 57,915 calls, 17.8 mJ each (the H200's, 2026-12-03)
+    fig = {"us": 25.9, "window_s": 1.5, "energy_j": 1.5 / 25.9e-6 * 17.8e-3, "sm_clock_mhz": 1418.0, "power_capped_share": 1.0}
+    bench_gemm.print_sustained({"shapes": {"qkv": (4096, 6144)}, "sustained": {"pagedref": {"qkv@256": fig}}})
+    out = capsys.readouterr().out
+    assert "sustained pagedref qkv@256: 25.9 µs, 17.80 mJ (1.38 pJ/FLOP), 687 W, SM 1418 MHz, power-capped 100%" in out
