@@ -124,3 +124,13 @@ def test_the_sustained_report_gives_energy_a_call_and_pj_per_flop(capsys):
     bench_gemm.print_sustained({"shapes": {"qkv": (4096, 6144)}, "sustained": {"pagedref": {"qkv@256": fig}}})
     out = capsys.readouterr().out
     assert "sustained pagedref qkv@256: 25.9 µs, 17.80 mJ (1.38 pJ/FLOP), 687 W, SM 1418 MHz, power-capped 100%" in out
+
+
+def test_bench_serve_notes_the_runs_clock_and_energy_a_token():
+    from pagedref.bench import serve
+
+    tele = telemetry.Telemetry(400, 1450.0, 1200.0, 690.0, 700.0, 1.0, 0.97, energy_j=30_000.0, window_s=44.0)
+    assert serve.power_note(tele, 337_000) == ", SM 1450 MHz, power-capped 97%, 89.0 mJ/out token"
+    assert serve.power_note(None, 10) == "", "not sampled (the CPU): nothing said"
+    no_nvml = telemetry.Telemetry(4, 1980.0, 1980.0, 300.0, 310.0, 0.0, 0.0)
+    assert serve.power_note(no_nvml, 10) == ", SM 1980 MHz, power-capped 0%"

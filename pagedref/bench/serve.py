@@ -41,7 +41,7 @@ import json
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ import numpy as np
 from pagedref.bench.common import (SHAPES, add_output_flags, emit, environment, free_device, parse_or_replay,  # noqa: F401
                                    progress, pyplot, random_model_dir, require_positive, save_figure, sharegpt_lengths,
                                    sync_device)
+from pagedref.bench import telemetry
 from pagedref.bench.memory import BLOCK_SIZE, MAX_MODEL_LEN
 
 SYSTEMS = ("pagedref", "contiguous", "hf-static", "hf-continuous")
@@ -104,6 +105,7 @@ class Result:
     spec_mean_accepted_length: float | None = None  # ... tokens emitted per speculative step of a sequence
     note: str = ""
     skipped: str | None = None  # why the system did not run
+    gpu: dict[str, Any] | None = None  # the run's SM clock, power and energy (bench.telemetry.Telemetry; None: not sampled)
 
     @property
     def requests_per_s(self) -> float:
@@ -144,6 +146,17 @@ def _spec_note(stats: dict[str, Any]) -> str:
             f"{stats['spec_mean_accepted_length']:.2f} tokens/step")
 
 
+def power_note(tele: telemetry.Telemetry | None, output_tokens: int) -> str:
+    """The run's GPU clock and power, and its energy per output token where NVML gave it (a long run at a batch
+    of hundreds runs at the power cap: then tokens per joule, not the clock, is what a faster schedule must raise)."""
+    if tele is None:
+        return ""
+    note = f", SM {tele.sm_clock_mhz:.0f} MHz, power-capped {tele.power_capped_share:.0%}"
+    if tele.energy_j and output_tokens:
+        note += f", {tele.energy_j / output_tokens * 1e3:.1f} mJ/out token"
+    return note
+
+
 def tp_size(system: str) -> int | None:
     """`pagedref-tp2` -> 2: pagedref with its model and KV cache split over 2 GPUs (None: not such a name)."""
     prefix = "pagedref-tp"
@@ -166,10 +179,11 @@ def run_pagedref(model_dir: Path, reqs: list[BenchRequest], kv_cache: str, llm_k
         params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
         log(f"[serve] {name}: {len(reqs)} requests, {llm.num_kv_blocks} KV blocks of {BLOCK_SIZE}")
         sync_device(llm_kwargs["device"])
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=True)
-        sync_device(llm_kwargs["device"])
-        elapsed = time.perf_counter() - start
+        with telemetry.GpuSampler(telemetry.device_uuid(llm_kwargs["device"]), interval_ms=100) as sampler:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=True)
+            sync_device(llm_kwargs["device"])
+            elapsed = time.perf_counter() - start
         stats = llm.get_stats()
         produced = sum(len(o.outputs[0].token_ids) for o in outputs)
         asked = sum(r.output_len for r in reqs)
@@ -179,7 +193,9 @@ def run_pagedref(model_dir: Path, reqs: list[BenchRequest], kv_cache: str, llm_k
             system=name, requests=len(outputs), elapsed_s=elapsed, prompt_tokens=sum(len(r.prompt_token_ids) for r in reqs),
             output_tokens=produced, peak_running_seqs=stats["peak_num_running_seqs"], kv_blocks=stats["num_blocks"],
             peak_kv_blocks_used=stats["peak_num_used_blocks"], kv_token_state_share=stats["token_state_fraction_mean"],
-            preemptions=stats["num_preemptions"], note=f"{stats['num_steps']} steps" + _graph_note(stats) + _spec_note(stats),
+            preemptions=stats["num_preemptions"],
+            note=f"{stats['num_steps']} steps" + _graph_note(stats) + _spec_note(stats) + power_note(sampler.result, produced),
+            gpu=asdict(sampler.result) if sampler.result else None,
             spec_acceptance_rate=stats["spec_acceptance_rate"] if stats["spec_num_draft_tokens"] else None,
             spec_mean_accepted_length=stats["spec_mean_accepted_length"] if stats["spec_num_draft_tokens"] else None,
         )
