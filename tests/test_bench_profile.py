@@ -127,7 +127,7 @@ def test_main_writes_the_document_and_prints_both_engines(tiny_dir, tmp_path, ca
 
 def test_the_report_gives_the_steps_clock_and_power_where_they_were_sampled(capsys):
     tele = {"samples": 9, "sm_clock_mhz": 1512.0, "sm_clock_min_mhz": 1380.0, "power_w": 655.0, "power_max_w": 699.0,
-            "slowed_share": 0.8, "power_capped_share": 0.75, "energy_j": 126.0, "window_s": 0.18, "steps": 20}
+            "slowed_share": 0.8, "power_capped_share": 0.75, "energy_j": 126.0, "window_s": 0.18, "energy_per_step_j": 126.0 / 20}
     r = profile.ProfileResult("paged", 256, 214.0, 9.1, {p: 0.0 for p in PHASES}, None, 1, 1.0, 1.0, telemetry=tele)
     doc = {"environment": {"device": "cuda", "gpu": "NVIDIA H200", "torch": "2.11", "date": "today"}, "copy_bandwidth": None,
            "shape": "llama-3.1-8b", "num_requests": 256, "prompt_len": 160, "num_kv_blocks": 4096,

@@ -103,8 +103,8 @@ def test_without_nvml_the_energy_is_unknown(monkeypatch):
 def test_sustained_settles_then_times_the_sampled_rounds():
     counts = []
     calls = [lambda: counts.append(0), lambda: counts.append(1)]
-    per_call, tele = telemetry.sustained(calls, seconds=0.05, uuid=None, settle_s=0.02)
-    assert tele is None, "no GPU to sample: the timing alone"
+    per_call, joules, tele = telemetry.sustained(calls, seconds=0.05, uuid=None, settle_s=0.02)
+    assert tele is None and joules is None, "no GPU to sample: the timing alone"
     assert per_call > 0 and len(counts) % 2 == 0 and len(counts) > 4, "whole rounds of every call, settling first"
 
 
@@ -120,7 +120,8 @@ def test_the_sustained_report_gives_energy_a_call_and_pj_per_flop(capsys):
     from pagedref.bench import gemm as bench_gemm
 
     # q/k/v of the 8B at 256 rows, 25.9 µs a call over 1.5 s: 57,915 calls, 17.8 mJ each (the H200's, 2026-12-03)
-    fig = {"us": 25.9, "window_s": 1.5, "energy_j": 1.5 / 25.9e-6 * 17.8e-3, "sm_clock_mhz": 1418.0, "power_capped_share": 1.0}
+    fig = {"us": 25.9, "mj": 17.8, "window_s": 1.5, "energy_j": 1.5 / 25.9e-6 * 17.8e-3, "sm_clock_mhz": 1418.0,
+           "power_capped_share": 1.0}
     bench_gemm.print_sustained({"shapes": {"qkv": (4096, 6144)}, "sustained": {"pagedref": {"qkv@256": fig}}})
     out = capsys.readouterr().out
     assert "sustained pagedref qkv@256: 25.9 µs, 17.80 mJ (1.38 pJ/FLOP), 687 W, SM 1418 MHz, power-capped 100%" in out
@@ -134,3 +135,25 @@ def test_bench_serve_notes_the_runs_clock_and_energy_a_token():
     assert serve.power_note(None, 10) == "", "not sampled (the CPU): nothing said"
     no_nvml = telemetry.Telemetry(4, 1980.0, 1980.0, 300.0, 310.0, 0.0, 0.0)
     assert serve.power_note(no_nvml, 10) == ", SM 1980 MHz, power-capped 0%"
+
+
+
+def test_sustained_energy_is_the_windows_over_its_calls(monkeypatch):
+    counts = []
+
+    class Sampler:  # a window that used 3 J, counting the calls made inside it
+        def __init__(self, uuid):
+            self.result = None
+
+        def __enter__(self):
+            self.start = len(counts)
+            return self
+
+        def __exit__(self, *exc):
+            Sampler.calls = len(counts) - self.start
+            self.result = telemetry.Telemetry(5, 1400.0, 1300.0, 690.0, 700.0, 1.0, 1.0, energy_j=3.0, window_s=0.01)
+
+    monkeypatch.setattr(telemetry, "GpuSampler", Sampler)
+    _, joules, tele = telemetry.sustained([lambda: counts.append(0)] * 3, seconds=0.02, uuid="GPU-1", settle_s=0.01)
+    assert tele.energy_j == 3.0 and Sampler.calls > 0 and Sampler.calls % 3 == 0, "whole rounds in the window"
+    assert joules == pytest.approx(3.0 / Sampler.calls), "joules a call: the window's energy over the calls in it"

@@ -115,9 +115,10 @@ def bench_mode(mode: str, shapes: dict[str, tuple[int, int]], rows: list[int], r
                 replays, _ = prepare([lambda x=x, w=w, y=y, h=h: call(x, w, y, h) for x, w, y, h in sets])
                 out[f"{name}@{m}{label}"] = measure(replays, reps) * 1e3
                 if sustain_s > 0 and sustained is not None:
-                    sec, tele = telemetry.sustained(replays, sustain_s, telemetry.device_uuid(torch.device("cuda")),
-                                                    sync=torch.cuda.synchronize)
-                    sustained[f"{name}@{m}{label}"] = {"us": sec * 1e6, **(asdict(tele) if tele else {})}
+                    sec, joules, tele = telemetry.sustained(replays, sustain_s, telemetry.device_uuid(torch.device("cuda")),
+                                                            sync=torch.cuda.synchronize)
+                    sustained[f"{name}@{m}{label}"] = {"us": sec * 1e6, "mj": joules and joules * 1e3,
+                                                       **(asdict(tele) if tele else {})}
     set_mode("default")
     return out
 
@@ -167,11 +168,9 @@ def print_sustained(res: dict) -> None:
         for key, f in figures.items():
             name, m = key.split("@")[0], int(key.split("@")[1].split(":")[0])
             k, n = res["shapes"][name]
-            energy = f.get("energy_j")
-            calls = f.get("window_s", 0) / (f["us"] * 1e-6) if f.get("window_s") else None
-            mj = energy / calls * 1e3 if energy and calls else None
+            mj = f.get("mj")
             print(f"  sustained {mode} {key}: {f['us']:.1f} µs" + (
-                f", {mj:.2f} mJ ({mj * 1e-3 / (2 * m * k * n) * 1e12:.2f} pJ/FLOP), {energy / f['window_s']:.0f} W" if mj else "")
+                f", {mj:.2f} mJ ({mj * 1e-3 / (2 * m * k * n) * 1e12:.2f} pJ/FLOP), {mj / f['us'] * 1e3:.0f} W" if mj else "")
                 + (f", SM {f['sm_clock_mhz']:.0f} MHz, power-capped {f['power_capped_share']:.0%}" if "sm_clock_mhz" in f else ""))
 
 

@@ -71,7 +71,7 @@ class ProfileResult:
     gpu_idle_ms: float | None = None  # per step, mean: wall time the GPU had no step to run (None: CPU)
     top_kernels: list[tuple[str, str, float]] | None = None  # [(class, kernel name, ms per step)], the longest first
     weight_gemm: str = "torch"  # the engine's weight_gemm: "torch" (cuBLAS), "pagedref", or the ops, comma-joined
-    telemetry: dict | None = None  # the wall-timed steps' SM clock, power, energy (bench.telemetry.Telemetry) and steps
+    telemetry: dict | None = None  # the wall-timed steps' SM clock, power, energy (bench.telemetry.Telemetry) and J a step
 
     def bandwidth(self, what: str) -> float | None:
         """Bytes per second the step's matmuls (what="gemm", the weights) or attention kernels
@@ -217,7 +217,7 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
         context = statistics.mean(contexts)
         return ProfileResult(kv_cache, num_seqs, context, 1e3 * wall, phases, kernel_ms, weight_bytes,
                              num_seqs * context * kv_per_token, 2.0 * num_seqs * num_params,
-                             engine.async_scheduling, span, idle, top, weight_gemm, tele and {**asdict(tele), "steps": steps})
+                             engine.async_scheduling, span, idle, top, weight_gemm, tele)
     finally:
         llm.close()
         common.free_device(device)
@@ -242,7 +242,10 @@ def _wall_and_idle(engine, timed_step, steps: int):
         finally:
             runner.step_events = None
     span_ms = sum(a.elapsed_time(b) for a, b in events)  # the steps launched in the window, all done now
-    return statistics.median(walls), span_ms / len(events), (1e3 * window - span_ms) / len(events), sampler.result
+    tele = sampler.result and asdict(sampler.result)
+    if tele and tele["energy_j"] is not None:
+        tele["energy_per_step_j"] = tele["energy_j"] / len(events)
+    return statistics.median(walls), span_ms / len(events), (1e3 * window - span_ms) / len(events), tele
 
 
 def _phases(engine, timed_step, steps: int) -> dict[str, float]:
@@ -286,8 +289,8 @@ def print_report(doc: dict[str, Any]) -> None:
             print(f"{r['kv_cache']}, weight_gemm {r.get('weight_gemm', 'torch')}: SM clock {t['sm_clock_mhz']:.0f} MHz "
                   f"(min {t['sm_clock_min_mhz']:.0f}), power {t['power_w']:.0f} W (max {t['power_max_w']:.0f}), "
                   f"power-capped in {t['power_capped_share']:.0%} of {t['samples']} samples (nvidia-smi)"
-                  + (f"; {t['energy_j'] / t['steps']:.2f} J a step, {t['energy_j'] / t['window_s']:.0f} W mean (NVML)"
-                     if t.get("energy_j") and t.get("steps") and t.get("window_s") else ""))
+                  + (f"; {t['energy_per_step_j']:.2f} J a step, {t['energy_j'] / t['window_s']:.0f} W mean (NVML)"
+                     if t.get("energy_per_step_j") else ""))
     if not all(r["kernels_ms"] for r in doc["results"]):
         return
     print("GPU time per step (ms) and what it reads; bandwidth as a share of the copy bandwidth")

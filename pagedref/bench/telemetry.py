@@ -68,7 +68,9 @@ class GpuSampler:
     CUDA_VISIBLE_DEVICES numbers it)."""
 
     def __init__(self, uuid: str | None, interval_ms: int = 20):
-        self.uuid, self.interval_ms = uuid, interval_ms
+        # nvidia-smi's -i and NVML both name a GPU "GPU-<uuid>"; torch gives the bare UUID
+        self.uuid = uuid if not uuid or uuid.startswith("GPU-") else f"GPU-{uuid}"
+        self.interval_ms = interval_ms
         self.result: Telemetry | None = None
         self._proc = self._out = self._energy0 = None
         self._t0 = 0.0
@@ -76,9 +78,8 @@ class GpuSampler:
     def __enter__(self) -> "GpuSampler":
         exe = shutil.which("nvidia-smi")
         if exe and self.uuid:
-            uuid = self.uuid if self.uuid.startswith("GPU-") else f"GPU-{self.uuid}"
             self._out = tempfile.TemporaryFile(mode="w+")
-            self._proc = subprocess.Popen([exe, "-i", uuid, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
+            self._proc = subprocess.Popen([exe, "-i", self.uuid, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
                                            f"-lms={self.interval_ms}"], stdout=self._out, stderr=subprocess.DEVNULL)
             self._first_sample()
             self._energy0 = _energy_mj(self.uuid)
@@ -115,14 +116,14 @@ class GpuSampler:
 
 
 def _energy_mj(uuid: str) -> int | None:
-    """The GPU's energy counter in millijoules since the driver loaded (NVML), or None without nvidia-ml-py."""
+    """GPU `uuid`'s ("GPU-...") energy counter in millijoules since the driver loaded (NVML), or None without
+    nvidia-ml-py."""
     try:
         import pynvml
     except ImportError:
         return None
     try:
         pynvml.nvmlInit()
-        uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
         return int(pynvml.nvmlDeviceGetTotalEnergyConsumption(pynvml.nvmlDeviceGetHandleByUUID(uuid)))
     except pynvml.NVMLError:
         return None
@@ -141,7 +142,7 @@ def device_uuid(device) -> str | None:
 def sustained(calls, seconds: float, uuid: str | None, settle_s: float = 0.3, sync=lambda: None):
     """Run `calls` (e.g. graph replays, each one unit of work) round and round: `settle_s` first, so the clock
     settles under the power cap, then about `seconds` sampled -> (seconds per call over the sampled window,
-    its Telemetry or None). What a kernel costs inside a long run (the engine's steps), where a short timing
+    joules per call (None: no energy counter), its Telemetry or None). What a kernel costs inside a long run (the engine's steps), where a short timing
     sees the clock before the cap lowers it. sync: the device's synchronize (the window ends when the work has)."""
     def rounds(until: float) -> int:
         n, t0 = 0, time.perf_counter()
@@ -161,4 +162,6 @@ def sustained(calls, seconds: float, uuid: str | None, settle_s: float = 0.3, sy
                 call()
         sync()
         elapsed = time.perf_counter() - t0
-    return elapsed / (reps * len(calls)), sampler.result
+    n = reps * len(calls)
+    tele = sampler.result
+    return elapsed / n, (tele.energy_j / n if tele and tele.energy_j is not None else None), tele
