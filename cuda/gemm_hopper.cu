@@ -94,12 +94,6 @@ static_assert(BN % 16 == 0 && BN >= 64 && BN <= 256, "GEMM_BN: a multiple of 16 
 static_assert(STAGES >= 2 && STAGES <= 8, "GEMM_STAGES from 2 to 8");
 static_assert(GEMM_CLUSTER == 1 || GEMM_CLUSTER == 2, "GEMM_CLUSTER: 1 or 2");
 
-// A CUtensorMap (the driver's opaque 128-byte TMA descriptor), passed by value as a __grid_constant__
-// parameter: the copy engine reads it from the parameter space.
-struct alignas(64) TmaMap {
-  unsigned long long w[16];
-};
-
 // Arrive and announce `bytes` more to come from bulk copies (complete_tx) before the phase completes.
 __device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
@@ -136,11 +130,6 @@ __device__ __forceinline__ void tma_load_multicast(unsigned dst, const TmaMap &m
                ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(bar), "h"(mask),
                "l"(policy)
                : "memory");
-}
-
-// Fetch a descriptor into the copy engine's cache before its first use.
-__device__ __forceinline__ void prefetch_map(const TmaMap &map) {
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(&map)) : "memory");
 }
 
 __device__ __forceinline__ unsigned cluster_rank() {

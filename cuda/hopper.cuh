@@ -31,6 +31,31 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, int parity) {
                  "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
 }
 
+// Announce `bytes` more to come from bulk copies (complete_tx) before the current phase completes, without
+// arriving: the thread's own arrival comes later (prefill v3's producer: cp.async.mbarrier.arrive).
+__device__ __forceinline__ void mbar_add_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// A CUtensorMap (the driver's opaque 128-byte TMA descriptor), passed by value as a __grid_constant__
+// parameter: the copy engine reads it from the parameter space.
+struct alignas(64) TmaMap {
+  unsigned long long w[16];
+};
+
+// Fetch a descriptor into the copy engine's cache before its first use.
+__device__ __forceinline__ void prefetch_map(const TmaMap &map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(&map)) : "memory");
+}
+
+// TMA, one instruction: the box of `map` at (column c0, row c1) -> shared memory at dst, laid out as the
+// map's swizzle says; its bytes complete_tx on bar.
+__device__ __forceinline__ void tma_load_box(unsigned dst, const TmaMap &map, int c0, int c1, unsigned bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+               ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(bar)
+               : "memory");
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }

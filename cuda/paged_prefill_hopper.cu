@@ -50,6 +50,14 @@
 // V3_RCP_EPILOGUE divides O by l as O * (1 / l), one division per row instead of 64 per lane.
 // V3_BT_SHFL: the producer's lane j loads the tile's j-th block-table entry once per tile (before the
 // "empty" wait) and each pass takes its rows' entry by a shuffle, instead of one dependent load per pass.
+// V3_TMA: a key tile that lies wholly inside the context is gathered by the tensor-memory accelerator: one
+// cp.async.bulk.tensor per block and 64-dim column block (a box of BLOCK_SIZE rows of 128 bytes at the
+// block's first slot, read through a descriptor of the whole pool as [slots][num_kv_heads * HEAD_DIM], its
+// 128-byte swizzle the layout above), 32 instructions from 8 lanes for a tile of 16-token blocks at
+// HEAD_DIM 128 where the cp.async rows take 2048 from 128 threads, each after a table load and an
+// address computation. The tile that holds the context's end keeps the cp.async rows (a box would read
+// the slots past the context). The "full" barrier still takes one arrival per producer thread; lane 0
+// adds the boxes' bytes (expect_tx) before its own arrival.
 // Bits: the item order and the copies change no row's arithmetic; the epilogue does, the same for every
 // row. The launcher's choices all take V3_RCP_EPILOGUE, so persistent or plain, a row's bits are the same.
 // Measured on an H200 (bf16, 32 / 8 heads, head_dim 128, 16-token blocks in random order, graphed, the
@@ -58,10 +66,14 @@
 //   plain (the kernel before, no knob)  370 / 1170 / 498 / 182   persistent             354 / 1169 / 507 / 155
 //   rcp                                 364 / 1183 / 505 / 172   persistent rcp         341 / 1159 / 526 / 143
 //   rcp bt (long contexts' choice)      355 / 1146 / 489 / 171   persistent rcp bt      366 / 1253 / 550 / 151
-// The launcher takes persistent rcp up to a longest context of 2048 (launch.PREFILL_V3_PERSISTENT_MAX_CONTEXT)
+// The launcher took persistent rcp up to a longest context of 2048 (launch.PREFILL_V3_PERSISTENT_MAX_CONTEXT)
 // and rcp bt past it: 341 / 1146 / 489 / 143 = 92% / 88% / 97% / 95% of FlashInfer (the plain kernel
 // before: 85% / 86-89% / 95% / 75%; its two timings at 1 x 8192 in that call, 1134 and 1170, show the
-// noise there). Tried before and not kept (commits fb77e6b and 99c42e8, in the history): FA3's
+// noise there). With V3_TMA (2026-12-03 09:01 UTC, same settings, FlashInfer 306 / 995 / 450 / 136 in the
+// order 4 x 2048 / 1 x 8192 / chunk / 16 x 512): persistent rcp tma 316 / 1017 / 446 / 141, rcp tma
+// 325 / 968 / 415 / 168, against 341 / 1088 / 480 / 142 for the cp.async choice. The launcher now takes
+// persistent rcp tma up to 2048 and rcp tma past it: 312 / 954 / 417 / 139 in the next call, 98% / 105% /
+// 108% / 98% of FlashInfer (docs/benchmarks.md). Tried before and not kept (commits fb77e6b and 99c42e8, in the history): FA3's
 // intra-warpgroup overlap of softmax with P V and ping-pong between the consumers (at most 2% on top of
 // a persistent grid, or up to 8% lost). What is left is named in the stage 5 lesson.
 // FA3's intra-warpgroup overlap, tried again as a knob (e7ae4f0, V3_OVERLAP: a consumer issued S_t, then
@@ -77,7 +89,7 @@
 // block 384 threads, dynamic shared memory prefill_v3_shared_bytes (build.py): TQ + 2 * KV_STAGES * TK
 // rows of HEAD_DIM * 2 bytes, 1 KB of alignment slack and the mbarriers.
 // Compile-time parameters (-D): PR_DTYPE (1 or 2), HEAD_DIM (64 or 128), BLOCK_SIZE, KV_STAGES,
-// V3_PERSISTENT, V3_RCP_EPILOGUE, V3_BT_SHFL, V3_PRODUCER_REGS.
+// V3_PERSISTENT, V3_RCP_EPILOGUE, V3_BT_SHFL, V3_TMA, V3_PRODUCER_REGS.
 #define PREFILL_WGMMA 1
 #include "common.cuh"
 #include "hopper.cuh"
@@ -96,6 +108,10 @@ static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "prefill v3 takes HEAD_DIM 64 o
 #ifndef V3_BT_SHFL
 #define V3_BT_SHFL 0  // 1: one block-table load per lane and tile, shared by shuffles (produce)
 #endif
+#ifndef V3_TMA
+#define V3_TMA 0  // 1: whole tiles by TMA, one box per block (produce); the kernel takes the pool's two TmaMaps
+#endif
+static_assert(!(V3_TMA && V3_BT_SHFL), "V3_TMA loads each block-table entry once per tile already");
 static_assert(KV_STAGES >= 2 && KV_STAGES <= 4, "KV_STAGES from 2 to 4");
 
 constexpr int WG = 128;                  // threads per warpgroup
@@ -379,7 +395,8 @@ __device__ __forceinline__ void produce(unsigned q_s, unsigned kv_s, unsigned fu
                                        const scalar_t *__restrict__ qh, long long q_row_stride, int row0, int qlen,
                                        const scalar_t *__restrict__ k_cache, const scalar_t *__restrict__ v_cache,
                                        const int *__restrict__ bt, int ctx, int row_stride, int kv_off,
-                                       int num_tiles, int g, int n, int tid) {
+                                       const TmaMap *k_map, const TmaMap *v_map, int num_tiles, int g, int n,
+                                       int tid) {
   constexpr int ROWS_PER_PASS = WG / CPR;  // rows one pass of the warpgroup copies (16 chunks each at 128)
   const int c = tid % CPR, r_first = tid / CPR;
   auto load_q = [&]() {
@@ -392,7 +409,18 @@ __device__ __forceinline__ void produce(unsigned q_s, unsigned kv_s, unsigned fu
   // Tile t's K and V rows into its stage once the consumers released it -> the stage.
   auto copy_tile = [&](int t) {
     const int stage = (g + t) % KV_STAGES;
-#if V3_BT_SHFL
+#if V3_TMA
+    // A tile whose keys all lie in the context is TK / BLOCK_SIZE whole blocks: lane j of the producer's
+    // first warp loads block j's table entry (before the wait below, which hides its latency) and issues
+    // that block's boxes, one per 64-dim column block of K and of V, each BLOCK_SIZE rows of 128 bytes
+    // that land in the 128-byte-swizzled layout the cp.async rows use. The context's last tile, if keys
+    // past the context fall in it, takes the cp.async rows below: a box would read the slots past the
+    // context (NaN in a slot no token owns), and the masked P = 0 times a NaN of V is NaN.
+    constexpr int BLOCKS = TK / BLOCK_SIZE;
+    const bool boxes = (t + 1) * TK <= ctx;
+    int my_block = 0;
+    if (boxes && tid < BLOCKS) my_block = bt[t * BLOCKS + tid];
+#elif V3_BT_SHFL
     // The tile's TK / BLOCK_SIZE block-table entries, lane j holding block j's (keys past the context:
     // the context's last block), loaded before the wait below so that the wait hides their latency;
     // each pass takes its rows' entry from the lane that holds it.
@@ -400,6 +428,23 @@ __device__ __forceinline__ void produce(unsigned q_s, unsigned kv_s, unsigned fu
 #endif
     if (g + t >= KV_STAGES) mbar_wait(empty + 8 * stage, ((g + t) / KV_STAGES - 1) & 1);  // tile g + t - KV_STAGES done
     const unsigned k_s = kv_s + stage * STAGE_BYTES, v_s = k_s + TILE_BYTES;
+#if V3_TMA
+    if (boxes) {
+      // The stage's bytes first (the phase cannot complete before this thread's own arrival, after
+      // the return), then the boxes; each box's complete_tx counts its bytes off.
+      if (tid == 0) mbar_add_tx(full + 8 * stage, STAGE_BYTES);
+      if (tid < 32) __syncwarp();
+      if (tid < BLOCKS) {
+#pragma unroll
+        for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
+          const unsigned dst = cb * TK * 128 + tid * BLOCK_SIZE * 128;
+          tma_load_box(k_s + dst, *k_map, kv_off + 64 * cb, my_block * BLOCK_SIZE, full + 8 * stage);
+          tma_load_box(v_s + dst, *v_map, kv_off + 64 * cb, my_block * BLOCK_SIZE, full + 8 * stage);
+        }
+      }
+      return stage;
+    }
+#endif
 #pragma unroll 4
     for (int r = r_first; r < TK; r += ROWS_PER_PASS) {
       const int tok = min(t * TK + r, ctx - 1);
@@ -433,7 +478,11 @@ extern "C" __global__ void __launch_bounds__(V3_THREADS, 1) paged_prefill_v3(
     const scalar_t *__restrict__ k_cache, const scalar_t *__restrict__ v_cache,
     const int *__restrict__ block_tables, const int *__restrict__ context_lens,
     const int *__restrict__ query_start_loc, int max_blocks, int num_heads, int num_kv_heads, float scale,
-    int num_seqs, int num_q_tiles) {
+    int num_seqs, int num_q_tiles
+#if V3_TMA
+    , const __grid_constant__ TmaMap k_map, const __grid_constant__ TmaMap v_map
+#endif
+    ) {
   extern __shared__ unsigned char smem_v3[];
   // 1024-byte aligned base (the swizzle atoms): Q [TQ rows], then KV_STAGES x (K, V) [TK rows], then
   // the mbarriers: full[KV_STAGES], empty[KV_STAGES], q_empty, 8 bytes each.
@@ -462,6 +511,15 @@ extern "C" __global__ void __launch_bounds__(V3_THREADS, 1) paged_prefill_v3(
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
+#if V3_TMA
+    const TmaMap *k_map_p = &k_map, *v_map_p = &v_map;
+    if (tid == 0) {
+      prefetch_map(k_map);
+      prefetch_map(v_map);
+    }
+#else
+    const TmaMap *k_map_p = nullptr, *v_map_p = nullptr;
+#endif
 #if V3_PERSISTENT
     int g = 0, n = 0;  // the CTA's key tiles and items so far
     bool more = true;
@@ -474,7 +532,8 @@ extern "C" __global__ void __launch_bounds__(V3_THREADS, 1) paged_prefill_v3(
 #endif
       produce(q_s, kv_s, full, empty, q_empty, q + (long long)it.q0 * q_row_stride + it.h * HEAD_DIM, q_row_stride,
               it.row0, it.qlen, k_cache, v_cache, block_tables + (long long)it.s * max_blocks, it.ctx,
-              num_kv_heads * HEAD_DIM, it.h / (num_heads / num_kv_heads) * HEAD_DIM, it.num_tiles, g, n, tid);
+              num_kv_heads * HEAD_DIM, it.h / (num_heads / num_kv_heads) * HEAD_DIM, k_map_p, v_map_p, it.num_tiles,
+              g, n, tid);
 #if V3_PERSISTENT
       g += it.num_tiles;
       ++n;

@@ -68,6 +68,10 @@ def test_v3_schedules_are_compile_time_knobs_and_the_choice_keeps_the_epilogue()
     chosen = {ctx: launch.prefill_v3_schedule(ctx) for ctx in (1, 512, limit, limit + 1, 8192, 10**6)}
     assert chosen[limit].persistent and not chosen[limit + 1].persistent
     assert len({s.rcp_epilogue for s in chosen.values()}) == 1
+    assert all(s.tma for s in chosen.values())  # whole key tiles by TMA boxes, either grid
+    assert ("V3_TMA", 1) in build.prefill_config("bfloat16", 128, 16, version=3, schedule=chosen[1]).defines
+    with pytest.raises(ValueError, match="bt_shfl"):  # TMA loads each table entry once a tile already
+        build.PrefillV3Schedule(tma=True, bt_shfl=True)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
@@ -172,13 +176,19 @@ def test_v3_schedules_change_no_bit(head_dim):
     rows = torch.cat([torch.arange(r.start, r.stop) for r in (T.seq_rows(p, s) for s in short)]).cuda()
     assert T.same_bits(prefill(T.select(p, short)), out[rows])
     # A persistent grid whose CTAs each take several items of one long sequence, and one item alone;
-    # block sizes 32 and 8 (a tile's block-table entries over 4 and 16 lanes).
-    for lens, q_lens, block_size in (([5000], [5000], 32), ([130], [130], 8)):
+    # block sizes 32 and 8 (a tile's block-table entries over 4 and 16 lanes, TMA boxes of 32 and 8 rows);
+    # contexts that end on a key tile's last key (TMA gathers every tile, the last one too, and the
+    # NaN-filled slots after the context are never read) and one key past it.
+    cases = (([5000], [5000], 32), ([130], [130], 8), ([1024, 256, 129, 2048], [1024, 200, 129, 77], 16),
+             ([384, 640], [384, 640], 8), ([4096], [1000], 32))
+    for lens, q_lens, block_size in cases:
         p = T.make_problem(lens, q_lens, num_heads=4, num_kv_heads=1, head_dim=head_dim, block_size=block_size,
                            dtype=torch.float16, seed=7)
         ref = prefill(p, version=3, schedule=build.PREFILL_V3_SCHEDULES["rcp bt"])
-        for name in ("persistent rcp", "persistent rcp bt"):
-            assert T.same_bits(prefill(p, version=3, schedule=build.PREFILL_V3_SCHEDULES[name]), ref), (lens, name)
+        assert T.max_rel_err(ref, T.oracle(p), p) <= 1e-2, lens
+        for name in ("persistent rcp", "persistent rcp bt", "rcp tma", "persistent rcp tma"):
+            out = prefill(p, version=3, schedule=build.PREFILL_V3_SCHEDULES[name], out=torch.full_like(p.q, float("nan")))
+            assert T.same_bits(out, ref), (lens, name)
 
 
 @pytest.mark.parametrize("head_dim", build.PREFILL_V3_HEAD_DIMS)
@@ -194,7 +204,7 @@ def test_v3_persistent_idle_consumer_does_not_free_q_early(head_dim):
     assert launch.prefill_v3_schedule(max(lens)).persistent  # what the engine would launch here
     plain = prefill(p, version=3, schedule=build.PrefillV3Schedule(rcp_epilogue=True))
     assert T.max_rel_err(plain, T.oracle(p), p) <= 1e-2
-    for _ in range(3):  # a race: several launches
-        out = prefill(p, version=3, schedule=build.PREFILL_V3_SCHEDULES["persistent rcp"],
-                      out=torch.full_like(p.q, float("nan")))
-        assert T.same_bits(out, plain), "the persistent grid's rows differ from the plain grid's"
+    for name in ("persistent rcp", "persistent rcp tma"):  # Q by cp.async either way; tiles by rows or boxes
+        for _ in range(3):  # a race: several launches
+            out = prefill(p, version=3, schedule=build.PREFILL_V3_SCHEDULES[name], out=torch.full_like(p.q, float("nan")))
+            assert T.same_bits(out, plain), f"the persistent grid's rows differ from the plain grid's ({name})"

@@ -200,6 +200,11 @@ class PrefillV3Schedule:
     persistent: bool = False  # at most one CTA per SM walks the work items (snake order)
     rcp_epilogue: bool = False  # one division per row, then products
     bt_shfl: bool = False  # the producer loads a tile's block-table entries once per lane and shuffles them
+    tma: bool = False  # whole key tiles by TMA, one box per block (the launch passes the pool's descriptors)
+
+    def __post_init__(self):
+        if self.tma and self.bt_shfl:
+            raise ValueError("prefill v3's tma schedule loads each block-table entry once per tile: no bt_shfl")
 
 
 # Prefill v3's schedules the benchmark times side by side (`bench kernel --prefill-schedules`) and CI
@@ -211,6 +216,8 @@ PREFILL_V3_SCHEDULES: dict[str, PrefillV3Schedule] = {
     "persistent": PrefillV3Schedule(persistent=True),
     "persistent rcp": PrefillV3Schedule(persistent=True, rcp_epilogue=True),
     "persistent rcp bt": PrefillV3Schedule(persistent=True, rcp_epilogue=True, bt_shfl=True),
+    "rcp tma": PrefillV3Schedule(rcp_epilogue=True, tma=True),
+    "persistent rcp tma": PrefillV3Schedule(persistent=True, rcp_epilogue=True, tma=True),
 }
 
 
@@ -231,7 +238,7 @@ def prefill_config(dtype: str, head_dim: int, block_size: int, version: int = 1,
         stages = stages or prefill_v3_stages(head_dim)
         # The persistent producer's item loop spills under 40 registers: 56 + 2 x 224 (setmaxnreg's budget).
         knobs = (("V3_PERSISTENT", int(schedule.persistent)), ("V3_RCP_EPILOGUE", int(schedule.rcp_epilogue)),
-                 ("V3_BT_SHFL", int(schedule.bt_shfl)),
+                 ("V3_BT_SHFL", int(schedule.bt_shfl)), ("V3_TMA", int(schedule.tma)),
                  ("V3_PRODUCER_REGS", 56 if schedule.persistent else 40))
         return KernelConfig("paged_prefill_hopper.cu",
                             (*defines, ("KV_STAGES", stages), *knobs), PREFILL_V3_ARCH)
@@ -316,7 +323,7 @@ def ci_configs() -> list[KernelConfig]:
     configs += [prefill_config(dtype, head_dim, block_size, version=2) for dtype in ("float16", "bfloat16")
                 for head_dim in MMA_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES]
     # v3: the plain grid and the launcher's two schedules (launch.prefill_v3_schedule), every shape.
-    v3_schedules = (PrefillV3Schedule(), PREFILL_V3_SCHEDULES["persistent rcp"], PREFILL_V3_SCHEDULES["rcp bt"])
+    v3_schedules = (PrefillV3Schedule(), PREFILL_V3_SCHEDULES["persistent rcp tma"], PREFILL_V3_SCHEDULES["rcp tma"])
     configs += [prefill_config(dtype, head_dim, block_size, version=3, schedule=s) for dtype in ("float16", "bfloat16")
                 for head_dim in PREFILL_V3_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES for s in v3_schedules]
     # v3's small-grid build (small_grid_schedule) wherever the default v3 runs at head_dim 128

@@ -4,7 +4,8 @@ One idea: two things a kernel launch here needs, CuPy's launcher does not pass:
   - programmatic dependent launch (PDL), a launch attribute of the driver's cuLaunchKernelEx: a kernel that
     may start while the one before it on the stream is still running, and waits for it in the kernel
     (`griddepcontrol.wait`) before reading what it wrote (decode v3's reduce, as a candidate);
-  - by-value arguments of any size (the GEMM's 128-byte TMA descriptors).
+  - by-value arguments of any size (the 128-byte TMA descriptors, encoded here: the GEMM's operands, the
+    KV pools of prefill v3's TMA schedule).
 A launch goes on the given stream exactly as a CuPy launch would, so torch orders it and a CUDA graph
 captures it (with its attributes: a captured PDL launch becomes a programmatic edge of the graph).
 Tried and not kept (docs/benchmarks.md, 2026-12-02): every kernel of the decode step that is the project's
@@ -36,7 +37,7 @@ class _Config(ctypes.Structure):  # CUlaunchConfig
 
 @functools.lru_cache(maxsize=None)
 def lib():
-    """libcuda with the prototypes this package calls (the launch here, TMA encoding in kernels.gemm)."""
+    """libcuda with the prototypes this package calls (the launch and the TMA encoding here)."""
     cuda = ctypes.CDLL("libcuda.so.1")
     u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
     cuda.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p,
@@ -45,6 +46,35 @@ def lib():
     cuda.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     cuda.cuLaunchKernelEx.restype = ctypes.c_int
     return cuda
+
+
+_TMA_DTYPES = {"float16": 6, "float32": 7, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_*
+SWIZZLE_128B = 3  # CU_TENSOR_MAP_SWIZZLE_128B: 16-byte chunk c of a 128-byte row r at c ^ (r % 8)
+_L2_PROMOTION_256B = 3
+
+
+class TmaMap(ctypes.Structure):  # CUtensorMap: 128 opaque bytes (a kernel parameter, copied at launch)
+    _fields_ = [("w", ctypes.c_uint64 * 16)]
+
+
+@functools.lru_cache(maxsize=4096)
+def tensor_map(ptr: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...], dtype: str,
+               swizzle: int) -> TmaMap:
+    """The TMA descriptor of a tensor at ptr: `dims` innermost first (elements), the byte `strides` of the
+    outer ones, read or written in boxes of `box` elements; dtype by name ("bfloat16"). Its bytes depend
+    only on these arguments, so a cached one is right for any tensor with them (the weights, the KV pools)."""
+    scratch = ctypes.create_string_buffer(128 + 64)  # the driver writes a 64-byte aligned CUtensorMap
+    aligned = (ctypes.addressof(scratch) + 63) & ~63
+    rank = len(dims)
+    rc = lib().cuTensorMapEncodeTiled(
+        aligned, _TMA_DTYPES[dtype], rank, ctypes.c_void_p(ptr), (ctypes.c_uint64 * rank)(*dims),
+        (ctypes.c_uint64 * (rank - 1))(*strides), (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*[1] * rank),
+        0, swizzle, _L2_PROMOTION_256B, 0)
+    if rc != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for dims {dims}, box {box}, {dtype}")
+    m = TmaMap()
+    ctypes.memmove(ctypes.addressof(m), aligned, 128)
+    return m
 
 
 _CTYPES = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_int64,

@@ -39,8 +39,6 @@ from pagedref.kernels.build import GemmTile, gemm_config, gemm_shared_bytes
 CAPABILITY = (9, 0)
 THREADS = 384
 REDUCE_THREADS = 256
-_TMA_DTYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_*
-_SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,44 +83,20 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 # --- the driver: TMA descriptors and the launch -------------------------------------------------------
 
-class _TmaMap(ctypes.Structure):  # CUtensorMap: 128 opaque bytes (a kernel parameter, copied at launch)
-    _fields_ = [("w", ctypes.c_uint64 * 16)]
-
-
-@functools.lru_cache(maxsize=4096)
-def _tensor_map(ptr: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...], dtype: torch.dtype,
-                swizzle: int) -> _TmaMap:
-    """The descriptor of a tensor at ptr: `dims` innermost first (elements), the byte `strides` of the outer
-    ones, read or written in boxes of `box` elements. Its bytes depend only on these arguments, so a cached
-    one is right for any tensor with them."""
-    scratch = ctypes.create_string_buffer(128 + 64)  # the driver writes a 64-byte aligned CUtensorMap
-    aligned = (ctypes.addressof(scratch) + 63) & ~63
-    rank = len(dims)
-    rc = driver.lib().cuTensorMapEncodeTiled(
-        aligned, _TMA_DTYPES[dtype], rank, ctypes.c_void_p(ptr), (ctypes.c_uint64 * rank)(*dims),
-        (ctypes.c_uint64 * (rank - 1))(*strides), (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*[1] * rank),
-        0, swizzle, _L2_PROMOTION_256B, 0)
-    if rc != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for dims {dims}, box {box}, {dtype}")
-    m = _TmaMap()
-    ctypes.memmove(ctypes.addressof(m), aligned, 128)
-    return m
-
-
-def _matrix_map(t: torch.Tensor, box_rows: int) -> _TmaMap:
+def _matrix_map(t: torch.Tensor, box_rows: int) -> driver.TmaMap:
     """An operand [rows, K], read in 128-byte swizzled boxes of 64 columns (one swizzle row) x box_rows rows."""
-    return _tensor_map(t.data_ptr(), (t.shape[1], t.shape[0]), (t.stride(0) * t.element_size(),), (BK, box_rows),
-                       t.dtype, _SWIZZLE_128B)
+    return driver.tensor_map(t.data_ptr(), (t.shape[1], t.shape[0]), (t.stride(0) * t.element_size(),), (BK, box_rows),
+                             validate.DTYPE_NAMES[t.dtype], driver.SWIZZLE_128B)
 
 
-def _output_map(t: torch.Tensor, box_cols: int) -> _TmaMap:
+def _output_map(t: torch.Tensor, box_cols: int) -> driver.TmaMap:
     """The output, C [M, N] or the split-K partials [splits, M, N], as [splits][M][N] written in boxes of
     box_cols x BM x 1 (no swizzle: the epilogue stages its tile row-major); rows past M are not written."""
     t3 = t if t.dim() == 3 else t.unsqueeze(0)
     splits, rows, cols = t3.shape
     size = t.element_size()
-    return _tensor_map(t.data_ptr(), (cols, rows, splits), (cols * size, rows * cols * size), (box_cols, BM, 1),
-                       t.dtype, 0)
+    return driver.tensor_map(t.data_ptr(), (cols, rows, splits), (cols * size, rows * cols * size), (box_cols, BM, 1),
+                             validate.DTYPE_NAMES[t.dtype], 0)
 
 
 # --- the public calls ---------------------------------------------------------------------------------

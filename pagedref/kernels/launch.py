@@ -242,7 +242,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     grid, extra = (shape.num_seqs, shape.num_heads, q_tiles), ()
     if version == 3:  # v3 also takes num_seqs and q_tiles (its persistent grid numbers the work items with them)
         schedule = schedule or prefill_v3_schedule(max_context_len)
+        if schedule.tma and (k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16):
+            schedule = dataclasses.replace(schedule, tma=False)  # TMA's alignment; the same bits without it
         extra = (np.int32(shape.num_seqs), np.int32(q_tiles))
+        if schedule.tma:
+            extra += (_pool_map(k_cache), _pool_map(v_cache))
         if schedule.persistent:
             grid = (min(shape.num_seqs * shape.num_heads * q_tiles, _num_sms(q.device)), 1, 1)
     config = build.prefill_config(_dtype_name(q), shape.head_dim, shape.block_size, version,
@@ -254,20 +258,30 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+def _pool_map(cache: torch.Tensor) -> driver.TmaMap:
+    """A KV pool [num_blocks, block_size, num_kv_heads, head_dim] as TMA sees it: [slots][num_kv_heads *
+    head_dim], read in boxes of one block's rows by 64 dims (128 bytes: the 128-byte swizzle's row)."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    row = num_kv_heads * head_dim
+    return driver.tensor_map(cache.data_ptr(), (row, num_blocks * block_size), (row * cache.element_size(),),
+                             (64, block_size), _dtype_name(cache), driver.SWIZZLE_128B)
+
+
 PREFILL_V3_PERSISTENT_MAX_CONTEXT = 2048  # prefill_v3_schedule: the persistent grid up to this context
 
 
 def prefill_v3_schedule(max_context_len: int) -> build.PrefillV3Schedule:
-    """Prefill v3's schedule for a launch whose longest context is `max_context_len` (H200, bf16, 32 / 8
-    heads, head_dim 128, same pool as FlashInfer, 2026-12-01, us at 16 x 512 / 4 x 2048 / 1 x 8192 /
-    chunk 2048 @ 8192): the persistent grid 143 / 341 / 1159 / 526, the plain grid with the block table
-    shuffled 171 / 355 / 1146 / 489. Work items of at most 16 key tiles gain from a CTA that loads the
-    next item's Q and first tile under its last ones; long items lose. Both take the same epilogue
-    (rcp_epilogue), so the choice never changes a bit: a row's result depends only on its position and
-    the key-tile grid, whatever else the batch holds (a GPU test crosses the threshold)."""
+    """Prefill v3's schedule for a launch whose longest context is `max_context_len`. Every choice gathers
+    whole key tiles by TMA (H200, bf16, 32 / 8 heads, head_dim 128, same pool as FlashInfer, 2026-12-03, us
+    at 16 x 512 / 4 x 2048 / 1 x 8192 / chunk 2048 @ 8192: cp.async rows 142 / 341 / 1088 / 480, TMA boxes
+    141 / 316 / 968 / 415, FlashInfer 136 / 306 / 995 / 450). Then the persistent grid (141 / 316 / 1017 /
+    446) against the plain one (168 / 325 / 968 / 415): work items of at most 16 key tiles gain from a CTA
+    that loads the next item's Q and first tile under its last ones; long items lose. Both take the same
+    epilogue (rcp_epilogue), so the choice never changes a bit: a row's result depends only on its position
+    and the key-tile grid, whatever else the batch holds (a GPU test crosses the threshold)."""
     if max_context_len <= PREFILL_V3_PERSISTENT_MAX_CONTEXT:
-        return build.PrefillV3Schedule(persistent=True, rcp_epilogue=True)
-    return build.PrefillV3Schedule(rcp_epilogue=True, bt_shfl=True)
+        return build.PrefillV3Schedule(persistent=True, rcp_epilogue=True, tma=True)
+    return build.PrefillV3Schedule(rcp_epilogue=True, tma=True)
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,9 +26,9 @@ from pagedref.kernels import testing
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
-# Prefill v3's schedules beside the launcher's (launch.prefill_v3_schedule: persistent rcp on
+# Prefill v3's schedules beside the launcher's (launch.prefill_v3_schedule: persistent rcp tma on
 # selfcheck's contexts), at bfloat16 / 128 / 16 (build.PREFILL_V3_SCHEDULES).
-V3_SCHEDULES = ("plain", "persistent", "rcp bt", "persistent rcp bt")
+V3_SCHEDULES = ("plain", "persistent", "rcp bt", "persistent rcp bt", "rcp tma", "persistent rcp tma")
 
 
 def run_prefill(p: testing.PagedProblem, **kw) -> torch.Tensor:
@@ -88,8 +88,9 @@ def check_attention(head_dims: set[int] | None = None, only: str | list[str] | N
     # Its other schedules, on more work items than an H200 has SMs (a persistent CTA walks several).
     from pagedref.kernels.build import PREFILL_V3_SCHEDULES
 
-    pre = testing.make_problem([1100, 530, 150, 7, 300] * 2, [300, 90, 150, 7, 300] * 2, num_heads=16, num_kv_heads=4,
-                               head_dim=128, block_size=16, dtype=torch.bfloat16)
+    # (256 and 1024 end on a key tile's last key: the TMA schedules gather their last tile by boxes too.)
+    pre = testing.make_problem([1100, 530, 150, 7, 300, 256, 1024] * 2, [300, 90, 150, 7, 300, 256, 40] * 2,
+                               num_heads=16, num_kv_heads=4, head_dim=128, block_size=16, dtype=torch.bfloat16)
     runs += [(f"prefill v3 schedule {name}", pre, lambda p=pre, s=PREFILL_V3_SCHEDULES[name]: run_prefill(
         p, version=3, schedule=s)) for name in V3_SCHEDULES]
     # vLLM's other head sizes: v3's partial K pieces and V bands (80: 16 + 16; 96: 32; 112: 16 + 32 +
