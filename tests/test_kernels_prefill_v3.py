@@ -71,7 +71,7 @@ def test_v3_schedules_are_compile_time_knobs_and_the_choice_keeps_the_epilogue()
     assert all(s.tma for s in chosen.values())  # whole key tiles by TMA boxes, either grid
     assert ("V3_TMA", 1) in build.prefill_config("bfloat16", 128, 16, version=3, schedule=chosen[1]).defines
     with pytest.raises(ValueError, match="bt_shfl"):  # TMA loads each table entry once a tile already
-        build.PrefillV3Schedule(tma=True, bt_shfl=True)
+        build.prefill_config("bfloat16", 128, 16, version=3, schedule=build.PrefillV3Schedule(tma=True, bt_shfl=True))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")

@@ -202,10 +202,6 @@ class PrefillV3Schedule:
     bt_shfl: bool = False  # the producer loads a tile's block-table entries once per lane and shuffles them
     tma: bool = False  # whole key tiles by TMA, one box per block (the launch passes the pool's descriptors)
 
-    def __post_init__(self):
-        if self.tma and self.bt_shfl:
-            raise ValueError("prefill v3's tma schedule loads each block-table entry once per tile: no bt_shfl")
-
 
 # Prefill v3's schedules the benchmark times side by side (`bench kernel --prefill-schedules`) and CI
 # compiles at bfloat16 / 16 (each head dim).
@@ -235,6 +231,8 @@ def prefill_config(dtype: str, head_dim: int, block_size: int, version: int = 1,
         if ELEM_SIZE[dtype] != 2 or head_dim not in PREFILL_V3_HEAD_DIMS:
             raise ValueError(f"prefill v3 takes float16/bfloat16 with head_dim in {PREFILL_V3_HEAD_DIMS}, got "
                              f"{dtype} with head_dim {head_dim}")
+        if schedule.tma and schedule.bt_shfl:
+            raise ValueError("prefill v3's tma schedule loads each block-table entry once per tile: no bt_shfl")
         stages = stages or prefill_v3_stages(head_dim)
         # The persistent producer's item loop spills under 40 registers: 56 + 2 x 224 (setmaxnreg's budget).
         knobs = (("V3_PERSISTENT", int(schedule.persistent)), ("V3_RCP_EPILOGUE", int(schedule.rcp_epilogue)),
