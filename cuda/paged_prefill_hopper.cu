@@ -73,8 +73,8 @@
 // order 4 x 2048 / 1 x 8192 / chunk / 16 x 512): persistent rcp tma 316 / 1017 / 446 / 141, rcp tma
 // 325 / 968 / 415 / 168, against 341 / 1088 / 480 / 142 for the cp.async choice. The launcher now takes
 // persistent rcp tma up to 2048 and rcp tma past it: 312 / 954 / 417 / 139 in the next call, 98% / 105% /
-// 108% / 98% of FlashInfer (docs/benchmarks.md). Tried before and not kept (commits fb77e6b and 99c42e8, in the history): FA3's
-// intra-warpgroup overlap of softmax with P V and ping-pong between the consumers (at most 2% on top of
+// 108% / 98% of FlashInfer (docs/benchmarks.md). Tried before and not kept (commits fb77e6b and 99c42e8, in
+// the history): FA3's intra-warpgroup overlap of softmax with P V and ping-pong between the consumers (at most 2% on top of
 // a persistent grid, or up to 8% lost). What is left is named in the stage 5 lesson.
 // FA3's intra-warpgroup overlap, tried again as a knob (e7ae4f0, V3_OVERLAP: a consumer issued S_t, then
 // P_{t-1} V_{t-1}, and ran tile t's softmax while that P V ran; the SASS showed the softmax between the two

@@ -242,8 +242,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     grid, extra = (shape.num_seqs, shape.num_heads, q_tiles), ()
     if version == 3:  # v3 also takes num_seqs and q_tiles (its persistent grid numbers the work items with them)
         schedule = schedule or prefill_v3_schedule(max_context_len)
-        if schedule.tma and (k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16):
-            schedule = dataclasses.replace(schedule, tma=False)  # TMA's alignment; the same bits without it
         extra = (np.int32(shape.num_seqs), np.int32(q_tiles))
         if schedule.tma:
             extra += (_pool_map(k_cache), _pool_map(v_cache))
@@ -260,7 +258,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def _pool_map(cache: torch.Tensor) -> driver.TmaMap:
     """A KV pool [num_blocks, block_size, num_kv_heads, head_dim] as TMA sees it: [slots][num_kv_heads *
-    head_dim], read in boxes of one block's rows by 64 dims (128 bytes: the 128-byte swizzle's row)."""
+    head_dim], read in boxes of one block's rows by 64 dims (128 bytes: the 128-byte swizzle's row). The
+    16-byte start TMA needs is validate's rule for every pool already."""
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     row = num_kv_heads * head_dim
     return driver.tensor_map(cache.data_ptr(), (row, num_blocks * block_size), (row * cache.element_size(),),

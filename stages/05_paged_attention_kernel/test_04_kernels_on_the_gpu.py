@@ -52,11 +52,21 @@ def test_step22_long_context_split_into_partitions():
 
 
 # Step 3: the slots nobody owns hold NaN; a kernel that read one would return NaN.
+UNOWNED = "a slot no token owns (past a context, in its last block) reached the output: never read it, not even masked"
+
+
 def test_step23_nan_in_unused_slots_never_reaches_a_result():
     p = T.make_problem([5, 16, 33], head_dim=32, block_size=16, dtype=torch.bfloat16, spare_blocks=8, seed=3)
     assert torch.isnan(p.k_cache).any() and torch.isnan(p.v_cache).any()
-    assert torch.isfinite(decode(p)).all()
-    assert torch.isfinite(prefill(p)).all()
+    assert torch.isfinite(decode(p)).all(), UNOWNED
+    assert torch.isfinite(prefill(p)).all(), UNOWNED
+    # The tensor-core shapes too (head_dim 128: prefill v3 on an H100 / H200, whose key tiles of whole blocks
+    # may be copied block by block): contexts ending inside a block, inside a 128-key tile, and on one.
+    p = T.make_problem([130, 5, 300, 256], [130, 5, 44, 256], num_heads=8, num_kv_heads=2, head_dim=128,
+                       block_size=16, dtype=torch.bfloat16, spare_blocks=8, seed=3)
+    assert torch.isfinite(decode(T.make_problem([130, 5, 300, 256], num_heads=8, num_kv_heads=2, head_dim=128,
+                                                dtype=torch.bfloat16, spare_blocks=8, seed=3))).all(), UNOWNED
+    assert torch.isfinite(prefill(p, out=poisoned(p))).all(), UNOWNED
 
 
 # Step 4: where the blocks live does not change a single bit.
