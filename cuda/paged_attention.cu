@@ -45,6 +45,15 @@
 //      per byte drop ~4x and the loads of the next slab fly while this one is computed. Its own
 //      section below says how the fragments line up with plain 16-byte loads. The default decode
 //      kernel (1024-token partitions) wherever it applies; v2 (512) everywhere else.
+//   v3 with spans (SPAN_SLOTS > 1 compiled in; the launcher picks `span` per launch, build.span_schedule):
+//      one CTA computes `span` (2 or 4) of a sequence's fixed partitions in turn, where a grid of one
+//      partition a CTA would have several waves. A warp's slabs run on from one partition into the next;
+//      at its last slab of a partition it saves its state (max, exp-sums, p.V) in that partition's shared
+//      slot and starts afresh, with no barrier. After the loop each partition's warps are merged as
+//      before, and a CTA holding its whole context merges the partitions with the reduce kernel's
+//      operations in its order (no partials, no reduce for it); otherwise it writes each partition's
+//      share. Same arithmetic per partition, same merge: the same bits whatever the span, so the span
+//      is chosen from the batch. What it saves is each CTA's start and end, paid once for 4 partitions.
 //   v3 with MERGE_IN_KERNEL=1 (candidates, not the default): the last partition CTA of each
 //      (sequence, head group) to finish merges the partitions itself (a ticket counter per group,
 //      flash-decoding's "last block reduces"), so no reduce launch follows; the same operations in
@@ -67,14 +76,15 @@
 //
 // Launch shapes:
 //   v1:     grid (num_seqs, num_heads),                              block NUM_THREADS
-//   v2, v3: grid (num_heads / HEADS_PER_CTA, max_parts, num_seqs),  block NUM_THREADS (the CTAs of
-//           one sequence and partition are neighbours in launch order)
+//   v2, v3: grid (num_heads / HEADS_PER_CTA, max_parts / span, num_seqs), block NUM_THREADS (the CTAs
+//           of one sequence and partition are neighbours in launch order; v2's span is 1)
 //   reduce: grid (num_seqs, ceil(num_heads / NUM_WARPS)),            block NUM_THREADS (a warp per head)
 //
 // Compile-time parameters (-D): PR_DTYPE (0 fp32, 1 fp16, 2 bf16), HEAD_DIM (a multiple of VEC,
 // <= 256), BLOCK_SIZE, HEADS_PER_CTA (<= 8, divides the GQA group), PARTITION_SIZE (a multiple of
 // BLOCK_SIZE), UNROLL (tokens per pipeline step per thread), THREADS_PER_TOKEN (power of two <= 32),
-// MIN_CTAS_PER_SM (v2's and v3's register budget: __launch_bounds__'s second argument), ASYNC_COPY
+// MIN_CTAS_PER_SM (v2's and v3's register budget: __launch_bounds__'s second argument), SPAN_SLOTS (v3:
+// partitions a CTA may compute in turn, 1-4; build.span_slots), ASYNC_COPY
 // (0/1), STAGES (depth of the cp.async ring), DECODE_MMA (0/1: compile v3), KV_LOAD_HINT (0/1: v3's
 // K/V loads skip L1 and prefetch whole 256-byte rows into L2), KV_EVICT_FIRST (0/1: v3's K/V loads
 // skip L1 and leave L2 first), KV_PREFETCH (0/1: v3 asks L2 for the
@@ -343,7 +353,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
                                     : make_uint4(0u, 0u, 0u, 0u);
       unpack(u, qf[g][c]);
     }
-  __syncthreads();  // blocks_s ready
+  __syncthreads();  // v3_blocks_s ready
 
   // Phase 1: logits = scale * q.k for every token of the partition and head of the group.
   float qk_max[G];
@@ -558,6 +568,11 @@ static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM >= 64, "v3 (DECODE_MMA) needs HEAD_D
 static_assert(G <= 8, "v3 serves at most 8 query heads per CTA: the N of one mma");
 
 constexpr int SLAB = 16;            // tokens per warp step: the M of QK^T, the K of p.V
+constexpr int SLABS_PER_PART = PARTITION_SIZE / SLAB;
+static_assert(PARTITION_SIZE % (SLAB * NUM_WARPS) == 0, "v3: a warp's slabs must not straddle partitions");
+#ifndef SPAN_SLOTS
+#define SPAN_SLOTS 1  // partitions one CTA may compute in turn (their warps' states share the CTA's shared memory)
+#endif
 constexpr int KCH = HEAD_DIM / 32;  // K: 32-dim pieces, 16-byte slices per lane per token row (two rows per lane)
 constexpr bool K16 = HEAD_DIM % 32 >= 16;  // K: a 16-dim piece after them (8-byte slices)
 constexpr bool K8 = HEAD_DIM % 16 == 8;    // K: an 8-dim piece last (4-byte slices)
@@ -633,15 +648,15 @@ __device__ __forceinline__ uint4 load_kv16(const scalar_t *p) {
 // Where the partition's token rows are, for one kv head. Token t0 + r of a slab (t0 a multiple of
 // SLAB) is clamped to the last real token n - 1; with BLOCK_SIZE >= SLAB a slab lies in one block,
 // so all of a lane's rows share one block number (one shared-memory read, one 64-bit product).
+__shared__ int v3_blocks_s[SPAN_SLOTS * (PARTITION_SIZE / BLOCK_SIZE)];  // the CTA's partitions' block numbers
 struct PartitionRows {
-  const int *blocks_s;  // the partition's physical block numbers, in shared memory
   int n;                // tokens in the partition
   int row_stride;       // elements from one token's row to the next: num_kv_heads * HEAD_DIM
   int kv_off;           // kv_head * HEAD_DIM
   __device__ __forceinline__ const scalar_t *row(const scalar_t *cache, int t0, int r) const {
     const unsigned t = min(t0 + r, n - 1);  // >= 0: unsigned division is a shift
     const unsigned b = BLOCK_SIZE >= SLAB ? (unsigned)t0 / BLOCK_SIZE : t / BLOCK_SIZE;
-    return cache + (long long)blocks_s[b] * (BLOCK_SIZE * row_stride) + (int)(t % BLOCK_SIZE) * row_stride + kv_off;
+    return cache + (long long)v3_blocks_s[b] * (BLOCK_SIZE * row_stride) + (int)(t % BLOCK_SIZE) * row_stride + kv_off;
   }
 };
 
@@ -727,6 +742,90 @@ __device__ __forceinline__ void store_o(float (*o_s)[HEAD_DIM], const float (&o)
   if (h1 < G) {
     o_s[h1][d] = o[1];
     if (has_d1) o_s[h1][d + 1] = o[3];
+  }
+}
+
+// The CTA's partitions' states, one slot per partition it computes: each warp's unnormalized p.V, max (log2
+// units) and exp-sum, written by the warp at its last slab of the partition, read by write_partitions.
+__shared__ float v3_o_s[SPAN_SLOTS][NUM_WARPS][G][HEAD_DIM];
+__shared__ float v3_m_s[SPAN_SLOTS][NUM_WARPS][G], v3_l_s[SPAN_SLOTS][NUM_WARPS][G];
+
+// Warps that saved a state for partition q: those with a slab there; all of them with one partition a CTA
+// (each saves after its loop, zeros and -inf if it had no slab: the same values the others stand for).
+__device__ __forceinline__ int warps_with_slabs(int q, int num_slabs) {
+  return SPAN_SLOTS == 1 ? NUM_WARPS : min(NUM_WARPS, num_slabs - q * SLABS_PER_PART);
+}
+
+// Partition q's max over its warps, in warp order (log2 units); `busy` warps had a slab there (warp 0 always
+// has one), the others hold nothing: max -inf, exp-sum 0, p.V 0.
+__device__ __forceinline__ float partition_max(int q, int g, int busy) {
+  float m = v3_m_s[q][0][g];
+#pragma unroll
+  for (int w = 1; w < NUM_WARPS; ++w) m = fmaxf(m, w < busy ? v3_m_s[q][w][g] : neg_inf());
+  return m;
+}
+
+// Partition q's exp-sum l and p.V at (head g, dim d) over its warps, each weighted by exp2(m_w - m), in warp order:
+// the operations the kernel's epilogue has always done for its one partition.
+__device__ __forceinline__ void partition_share(int q, int g, int d, int busy, float m, float &l, float &acc) {
+  l = 0.f, acc = 0.f;
+#pragma unroll
+  for (int w = 0; w < NUM_WARPS; ++w) {
+    const float f = exp2_approx((w < busy ? v3_m_s[q][w][g] : neg_inf()) - m);
+    l = fmaf(w < busy ? v3_l_s[q][w][g] : 0.f, f, l);
+    acc = fmaf(w < busy ? v3_o_s[q][w][g][d] : 0.f, f, acc);
+  }
+}
+
+// After the slab loop and a barrier: per partition the CTA computed, merge its warps; then write the output
+// itself when the context has one partition, or each partition's share (max in the natural-log units
+// paged_attention_reduce expects), or, when the CTA computed every partition of the context, merge them as
+// paged_attention_reduce does: M the largest m_p, w_p = l_p * expf(m_p - M), total += w_p and
+// acc = fmaf(w_p, o_p, acc) for p increasing, out = acc / total (its operations in its order: its bits).
+__device__ __forceinline__ void write_partitions(scalar_t *__restrict__ out, float *__restrict__ tmp_out,
+                                                 float *__restrict__ max_logits, float *__restrict__ exp_sums,
+                                                 long long row0, int num_parts, int max_parts, int part0, int span,
+                                                 int num_slabs) {
+  const int num_q = SPAN_SLOTS == 1 ? 1 : (num_slabs + SLABS_PER_PART - 1) / SLABS_PER_PART;  // partitions computed
+  const bool whole = SPAN_SLOTS > 1 && part0 == 0 && num_parts > 1 && num_parts <= span;
+  for (int i = threadIdx.x; i < G * HEAD_DIM; i += NUM_THREADS) {
+    const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+    const long long row = row0 + g;
+    if (whole) {
+      float big = neg_inf();  // M (exact in any order); m_p * ln 2 rounded as the partials store it
+#pragma unroll 1
+      for (int q = 0; q < SPAN_SLOTS && q < num_q; ++q)
+        big = fmaxf(big, __fmul_rn(partition_max(q, g, warps_with_slabs(q, num_slabs)), LN2));
+      float total = 0.f, merged = 0.f;
+#pragma unroll 1
+      for (int q = 0; q < SPAN_SLOTS && q < num_q; ++q) {
+        const int busy = warps_with_slabs(q, num_slabs);
+        const float m = partition_max(q, g, busy);
+        float l, acc;
+        partition_share(q, g, d, busy, m, l, acc);
+        const float w = l * expf(__fmul_rn(m, LN2) - big);
+        total += w;
+        merged = fmaf(w, acc / l, merged);
+      }
+      out[row * HEAD_DIM + d] = from_float(merged / total);
+      continue;
+    }
+#pragma unroll 1
+    for (int q = 0; q < SPAN_SLOTS && q < num_q; ++q) {
+      const int busy = warps_with_slabs(q, num_slabs);
+      const float m = partition_max(q, g, busy);
+      float l, acc;
+      partition_share(q, g, d, busy, m, l, acc);
+      if (num_parts == 1) {
+        out[row * HEAD_DIM + d] = from_float(acc / l);
+      } else {
+        tmp_out[(row * max_parts + part0 + q) * HEAD_DIM + d] = acc / l;
+        if (d == 0) {
+          max_logits[row * max_parts + part0 + q] = m * LN2;
+          exp_sums[row * max_parts + part0 + q] = l;
+        }
+      }
+    }
   }
 }
 
@@ -870,30 +969,27 @@ __device__ __noinline__ void merge_partitions(scalar_t *__restrict__ out, const 
 
 // v2's arguments and outputs, shape for shape (the launcher passes the same tuple to either), then
 // merge_counters: [num_seqs, num_heads / G] int32, zeros between launches (MERGE_IN_KERNEL=1 only;
-// otherwise unused and may be null).
+// otherwise unused and may be null), and span: partitions per CTA, 1 .. SPAN_SLOTS (1 with MERGE_IN_KERNEL).
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged_attention_v3(
     scalar_t *__restrict__ out, float *__restrict__ tmp_out, float *__restrict__ max_logits,
     float *__restrict__ exp_sums, const scalar_t *__restrict__ q, const scalar_t *__restrict__ k_cache,
     const scalar_t *__restrict__ v_cache, const int *__restrict__ block_tables,
     const int *__restrict__ context_lens, int max_blocks, int num_heads, int num_kv_heads, int max_parts,
-    float scale, int *__restrict__ merge_counters) {
+    float scale, int *__restrict__ merge_counters, int span) {
   constexpr int PART_BLOCKS = PARTITION_SIZE / BLOCK_SIZE;
-  __shared__ int blocks_s[PART_BLOCKS];
-  __shared__ float o_s[NUM_WARPS][G][HEAD_DIM];           // each warp's unnormalized p.V
-  __shared__ float m_s[NUM_WARPS][G], l_s[NUM_WARPS][G];  // each warp's max (log2 units) and exp-sum
   __shared__ uint4 q_s[8][HEAD_DIM / VEC];                 // the query, 8 heads (zeros past G)
 
-  const int head0 = blockIdx.x * G, part = blockIdx.y, s = blockIdx.z;
+  const int head0 = blockIdx.x * G, part0 = blockIdx.y * span, s = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / PR_WARP, lane = tid % PR_WARP;
   const int grp = lane / 4, tig = lane % 4;  // this lane's row group and column pair in mma fragments
-  const int start = part * PARTITION_SIZE;
+  const int start = part0 * PARTITION_SIZE;  // the CTA computes partitions part0 .. part0 + span - 1
 
   // Three independent reads, all in flight at once: the context length, the partition's block
   // numbers (columns past the sequence's last block are padding, staged but never used) and the
   // query's B fragments (head head0 + grp, dims 32c + 8tig; zeros in the columns past G).
   const int ctx = context_lens[s];
   const int *bt = block_tables + (long long)s * max_blocks + start / BLOCK_SIZE;
-  for (int i = tid; i < PART_BLOCKS && start / BLOCK_SIZE + i < max_blocks; i += NUM_THREADS) blocks_s[i] = bt[i];
+  for (int i = tid; i < span * PART_BLOCKS && start / BLOCK_SIZE + i < max_blocks; i += NUM_THREADS) v3_blocks_s[i] = bt[i];
   for (int i = tid; i < 8 * HEAD_DIM / VEC; i += NUM_THREADS) {
     const int h = i / (HEAD_DIM / VEC), c = i % (HEAD_DIM / VEC);
     q_s[h][c] = h < G ? load16(q + ((long long)s * num_heads + head0 + h) * HEAD_DIM + c * VEC) : make_uint4(0u, 0u, 0u, 0u);
@@ -905,11 +1001,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
   if (start >= ctx) return;  // the whole CTA leaves together, before any barrier
-  const int n = min(PARTITION_SIZE, ctx - start);
+  const int n = min(span * PARTITION_SIZE, ctx - start);  // tokens of the CTA's partitions
   const int num_slabs = (n + SLAB - 1) / SLAB;
   const float scale_log2 = scale * LOG2E;
-  const PartitionRows rows{blocks_s, n, num_kv_heads * HEAD_DIM, head0 / (num_heads / num_kv_heads) * HEAD_DIM};
-  __syncthreads();  // blocks_s ready
+  const PartitionRows rows{n, num_kv_heads * HEAD_DIM, head0 / (num_heads / num_kv_heads) * HEAD_DIM};
+  __syncthreads();  // v3_blocks_s ready
 
   // Online softmax state for heads 2tig (…0) and 2tig + 1 (…1); o[c][j] is the C fragment of
   // O^T's rows 64c + 8grp + 2j (+1) and columns (heads) 2tig, 2tig + 1.
@@ -923,6 +1019,29 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
       for (int j = 0; j < 4; ++j) o[c][j][e] = 0.f;
     o32[0][e] = o32[1][e] = o16[e] = o8[e] = 0.f;
   }
+
+  // The warp's state for partition q -> shared memory (v3_o_s, v3_m_s, v3_l_s), for write_partitions.
+  auto save_partition = [&](int q) {
+    // The warp's exp-sums: each lane added its own tokens; add over the 8 token rows.
+#pragma unroll
+    for (int off = 4; off < PR_WARP; off *= 2) {
+      l0 += __shfl_xor_sync(PR_FULL_MASK, l0, off);
+      l1 += __shfl_xor_sync(PR_FULL_MASK, l1, off);
+    }
+    const int h0 = 2 * tig, h1 = 2 * tig + 1;
+    if (grp == 0 && h0 < G) v3_m_s[q][warp][h0] = m0, v3_l_s[q][warp][h0] = l0;
+    if (grp == 0 && h1 < G) v3_m_s[q][warp][h1] = m1, v3_l_s[q][warp][h1] = l1;
+#pragma unroll
+    for (int c = 0; c < VCH; ++c)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) store_o(v3_o_s[q][warp], o[c][j], 64 * c + 8 * grp + 2 * j, true, h0, h1);
+    if (V32) {
+      store_o(v3_o_s[q][warp], o32[0], V32_OFF + 4 * grp, true, h0, h1);
+      store_o(v3_o_s[q][warp], o32[1], V32_OFF + 4 * grp + 2, true, h0, h1);
+    }
+    if (V16) store_o(v3_o_s[q][warp], o16, V16_OFF + 2 * grp, true, h0, h1);
+    if (V8) store_o(v3_o_s[q][warp], o8, V8_OFF + grp, false, h0, h1);
+  };
 
   KSlab kt;
   VSlab vt;
@@ -989,55 +1108,36 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
     }
     if (V16) mma_pv(o16, vt.t16[0], vt.t16[1], vt.t16[2], vt.t16[3], corr0, corr1, pb0, pb1);
     if (V8) mma_pv(o8, vt.t8[0], vt.t8[1], vt.t8[2], vt.t8[3], corr0, corr1, pb0, pb1);  // high halves 0: rows grp + 8 stay 0
+#if SPAN_SLOTS > 1
+    // The warp's last slab of a partition (warp-uniform): its state for that partition goes to shared
+    // memory, and the next partition starts afresh, with no barrier. Before the next V is loaded: this V's
+    // registers are free then, and the next K is already on the way.
+    if (next >= num_slabs || slab % SLABS_PER_PART >= SLABS_PER_PART - NUM_WARPS) {
+      save_partition(slab / SLABS_PER_PART);
+      m0 = m1 = neg_inf();
+      l0 = l1 = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+#pragma unroll
+        for (int c = 0; c < VCH; ++c)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) o[c][j][e] -= o[c][j][e];  // +0 (o is finite); "= 0.f" spilled here
+        o32[0][e] -= o32[0][e], o32[1][e] -= o32[1][e], o16[e] -= o16[e], o8[e] -= o8[e];
+      }
+    }
+#endif
     if (next < num_slabs) load_v_slab(vt, v_cache, rows, next * SLAB, grp, tig);
   }
-
-  // The warp's exp-sums: each lane added its own tokens; add over the 8 token rows.
-#pragma unroll
-  for (int off = 4; off < PR_WARP; off *= 2) {
-    l0 += __shfl_xor_sync(PR_FULL_MASK, l0, off);
-    l1 += __shfl_xor_sync(PR_FULL_MASK, l1, off);
-  }
-  const int h0 = 2 * tig, h1 = 2 * tig + 1;
-  if (grp == 0 && h0 < G) m_s[warp][h0] = m0, l_s[warp][h0] = l0;
-  if (grp == 0 && h1 < G) m_s[warp][h1] = m1, l_s[warp][h1] = l1;
-#pragma unroll
-  for (int c = 0; c < VCH; ++c)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) store_o(o_s[warp], o[c][j], 64 * c + 8 * grp + 2 * j, true, h0, h1);
-  if (V32) {
-    store_o(o_s[warp], o32[0], V32_OFF + 4 * grp, true, h0, h1);
-    store_o(o_s[warp], o32[1], V32_OFF + 4 * grp + 2, true, h0, h1);
-  }
-  if (V16) store_o(o_s[warp], o16, V16_OFF + 2 * grp, true, h0, h1);
-  if (V8) store_o(o_s[warp], o8, V8_OFF + grp, false, h0, h1);
+#if SPAN_SLOTS == 1
+  save_partition(0);  // one partition: after the loop, as before spans (fewer registers); a warp with no slab saves its zeros
+#endif
   __syncthreads();
 
-  // Merge the warps in warp order (a warp without tokens has max -inf: weight 0), then write the
-  // output itself when the context has one partition, else this partition's share (max in the
-  // natural-log units paged_attention_reduce expects).
-  for (int i = tid; i < G * HEAD_DIM; i += NUM_THREADS) {
-    const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-    float m = m_s[0][g];
-#pragma unroll
-    for (int w = 1; w < NUM_WARPS; ++w) m = fmaxf(m, m_s[w][g]);
-    float l = 0.f, acc = 0.f;
-#pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) {
-      const float f = exp2_approx(m_s[w][g] - m);
-      l = fmaf(l_s[w][g], f, l);
-      acc = fmaf(o_s[w][g][d], f, acc);
-    }
-    const long long row = (long long)s * num_heads + head0 + g;
-    if (num_parts == 1) out[row * HEAD_DIM + d] = from_float(acc / l);
-    else tmp_out[(row * max_parts + part) * HEAD_DIM + d] = acc / l;
-    if (num_parts > 1 && d == 0) {
-      max_logits[row * max_parts + part] = m * LN2;
-      exp_sums[row * max_parts + part] = l;
-    }
-  }
+  write_partitions(out, tmp_out, max_logits, exp_sums, (long long)s * num_heads + head0, num_parts, max_parts, part0,
+                   span, num_slabs);
 #if MERGE_IN_KERNEL
   if (num_parts == 1) return;  // the output is written: no partials, no counter
+  const int part = blockIdx.y;  // span is 1 here (the launcher's rule)
   __shared__ int is_last;
   __threadfence();  // this thread's partials are visible device-wide before the ticket below is taken
   __syncthreads();
@@ -1069,7 +1169,7 @@ constexpr int DPL_REDUCE = (HEAD_DIM + PR_WARP - 1) / PR_WARP;  // output dims p
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_reduce(
     scalar_t *__restrict__ out, const float *__restrict__ tmp_out, const float *__restrict__ max_logits,
-    const float *__restrict__ exp_sums, const int *__restrict__ context_lens, int num_heads, int max_parts) {
+    const float *__restrict__ exp_sums, const int *__restrict__ context_lens, int num_heads, int max_parts, int span) {
 #if PDL && DECODE_MMA
   // Launched as v3's programmatic dependent: wait until v3 has finished and its partials are visible. Every
   // CTA waits, so this grid ends after v3 does and whatever follows it sees v3's outputs too.
@@ -1125,7 +1225,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_reduce
     if (p0 >= num_parts) break;
     load_chunk(p0);
   }
-  if (num_parts <= 1) return;  // v2/v3 wrote this row directly
+  if (num_parts <= span) return;  // v2/v3 wrote this row directly (one CTA computed all its partitions)
 #pragma unroll
   for (int i = 0; i < DPL_REDUCE; ++i) {
     const int d = lane + i * PR_WARP;

@@ -104,6 +104,26 @@ def test_pdl_is_a_compile_time_knob_of_v3_only_when_asked_for():
     assert ("PDL", 1) in build.mma_decode_config("bfloat16", 128, 16, 4, build.MmaTuning(pdl=True)).defines
 
 
+def test_a_grid_that_fills_the_gpu_with_fewer_ctas_takes_longer_spans():
+    # span_schedule: the longest span (1, 2, 4 partitions a CTA) whose grid keeps SPAN_FILL of the CTA slots
+    # busy (4 CTAs per SM at head_dim 128). 64 x 4096 tokens, 32 / 8 heads: 2048 CTAs of one partition, 512 of four.
+    rule = lambda seqs, parts, **kw: build.span_schedule(build.MmaTuning(**kw), 128, 4, 16, 8 * seqs, parts, 132)  # noqa: E731
+    assert rule(64, 4) == 4
+    assert rule(8, 32) == 4  # 8 x 32768 tokens
+    assert rule(1, 128) == 2  # 1 x 131072: 512 CTAs of 2 partitions, 256 of 4 (fewer than 475)
+    assert rule(8, 4) == rule(256, 1) == rule(1, 4) == 1
+    assert rule(128, 3) == 4 and rule(256, 2) == 2  # a longer span only where it shortens the grid
+    assert rule(64, 4, span=1) == 1 and rule(1, 4, span=4) == 4  # forced (benchmark candidates)
+    assert rule(64, 4, merge_in_kernel=True) == 1  # its counters count partition CTAs
+    # Where the state a span keeps would not fit (or would spill): one partition a CTA whatever the grid.
+    assert build.span_schedule(build.MmaTuning(span=4), 128, 8, 16, 8 * 64, 4, 132) == 1
+    assert build.span_schedule(build.MmaTuning(span=4), 128, 4, 8, 8 * 64, 4, 132) == 1
+    assert build.span_slots(256, 4, 16) == 2 and build.span_slots(64, 4, 32) == 4
+    # A build with spans is a different binary; without them (slots 1) the kernel saves its state after its loop.
+    assert dict(build.mma_decode_config("bfloat16", 128, 16, 4).defines)["SPAN_SLOTS"] == 4
+    assert dict(build.mma_decode_config("bfloat16", 128, 8, 4).defines)["SPAN_SLOTS"] == 1
+
+
 def test_a_grid_of_at_most_one_cta_per_sm_takes_the_prefetch_build_and_nothing_else_changes():
     # small_grid_schedule picks a schedule from the grid's size: prefetch (3 CTAs per SM) up to one CTA per
     # SM at head_dim 128; the partition size, and so the arithmetic, never moves; CI compiles what it picks.

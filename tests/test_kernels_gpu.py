@@ -203,24 +203,29 @@ def test_a_small_grid_prefetches_and_keeps_the_bits():
 
 
 # The schedules of the merge, each the reduce kernel's bits: the last partition CTA merges (ticket counters),
-# or the reduce kernel is launched as v3's programmatic dependent (PDL: resident before v3 ends, it waits for it).
-SCHEDULES = {"in kernel": dict(merge_in_kernel=True), "pdl": dict(pdl=True)}
+# or the reduce kernel is launched as v3's programmatic dependent (PDL: resident before v3 ends, it waits for it),
+# or a CTA computes 2 or 4 of a sequence's partitions in turn and merges them itself when they are the whole
+# context (build.span_schedule; spans are capped to 1 where the config has no room: 8 heads a CTA, 8-token blocks).
+SCHEDULES = {"in kernel": dict(merge_in_kernel=True), "pdl": dict(pdl=True), "span 2": dict(span=2),
+             "span 4": dict(span=4), "span 4 pdl": dict(span=4, pdl=True)}
 
 
 def merged(partition_size: int, schedule: str | None = None) -> build.MmaTuning:
-    return build.MmaTuning(partition_size=partition_size, **SCHEDULES.get(schedule, {}))
+    return build.MmaTuning(partition_size=partition_size, **{"span": 1, **SCHEDULES.get(schedule, {})})
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("partition_size", [512, 1024, 2048])
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,block_size,dtype",
-                         [(128, 32, 8, 16, torch.bfloat16), (64, 6, 2, 8, torch.float16), (120, 16, 2, 32, torch.bfloat16)])
+                         [(128, 32, 8, 16, torch.bfloat16), (64, 6, 2, 8, torch.float16), (120, 16, 2, 32, torch.bfloat16),
+                          (96, 12, 4, 32, torch.float16)])
 def test_merge_schedules_are_bitwise_the_reduce_kernel(schedule, partition_size, head_dim, num_heads, num_kv_heads,
                                                        block_size, dtype):
     # Each schedule merges with the reduce kernel's operations in its order: the reduce kernel's bits,
     # whichever CTA comes last or however early the reduce starts, under any block placement and batch.
     # Contexts: one partition (written directly), exactly one, one token more, a partial last one, 8 and 11
-    # partitions; a second launch gives the same bits (the counters went back to 0).
+    # partitions (with spans: whole contexts merged in the CTA, partials of full and partial spans merged by
+    # the reduce); a second launch gives the same bits (the counters went back to 0).
     P = partition_size
     p = T.make_problem([1, P, P + 1, 3 * P - 5, 7 * P + 100, 40, 11 * P - 3], num_heads=num_heads,
                        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
@@ -233,6 +238,26 @@ def test_merge_schedules_are_bitwise_the_reduce_kernel(schedule, partition_size,
     assert T.same_bits(decode(T.permute_blocks(p, seed=P), tuning=fused), two_launch)
     for seqs in ([4], [3, 0, 4], [5, 2, 1], [2, 5], [6, 1]):
         assert T.same_bits(decode(T.select(p, seqs), tuning=fused), two_launch[torch.tensor(seqs, device="cuda")])
+
+
+def test_a_large_grid_spans_partitions_and_keeps_the_bits():
+    # 32 / 8 heads, contexts of 2-4 partitions: 64 sequences fill an H200's CTA slots with 4 partitions a CTA
+    # (build.span_schedule), a few sequences keep one a CTA. Each sequence gets the same bits either way, alone
+    # or in any batch, under any block placement, and the same as with one partition a CTA.
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator().manual_seed(42)
+    lens = torch.randint(2049, 4097, (64,), generator=gen).tolist()
+    p = T.make_problem(lens[:60] + [4096, 1, 1024, 3000], num_heads=32, num_kv_heads=8, head_dim=128,
+                       dtype=torch.bfloat16, seed=42)
+    assert build.span_schedule(build.MmaTuning(), 128, 4, 16, 8 * 64, 4, num_sms) == (4 if num_sms <= 140 else 2)
+    full = decode(p)
+    assert T.same_bits(full, decode(p, tuning=build.MmaTuning(span=1)))
+    for seqs in ([63], [61, 62, 0], list(range(0, 64, 3)), list(range(60, 64)) + list(range(30))):
+        sub = T.select(p, seqs)
+        rows = full[torch.tensor(seqs, device="cuda")]
+        assert T.same_bits(decode(sub, out=torch.full_like(sub.q, float("nan"))), rows)
+    assert T.same_bits(decode(T.permute_blocks(p, seed=43)), full)
+    check(full[-4:], T.select(p, [60, 61, 62, 63]), torch.bfloat16)
 
 
 def test_merge_in_kernel_over_many_partitions():

@@ -78,6 +78,7 @@ class MmaTuning:
     merge_in_kernel: bool = False  # the last partition CTA to finish merges (no reduce launch); same bits
     pdl: bool = False  # the reduce kernel launches while v3 runs and waits for it in-kernel (sm_90); same bits
     small_grid_prefetch: bool = True  # a grid of at most one CTA per SM runs small_grid_schedule's build; same bits
+    span: int | None = None  # partitions per CTA, computed in turn (None: span_schedule's rule from the grid); same bits
 
 
 def decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta: int,
@@ -103,8 +104,54 @@ def mma_decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta:
         ("PR_DTYPE", DTYPE_CODES[dtype]), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),
         ("HEADS_PER_CTA", heads_per_cta), ("PARTITION_SIZE", tuning.partition_size), ("MIN_CTAS_PER_SM", min_ctas),
         ("KV_LOAD_HINT", int(tuning.load_hint)), ("KV_PREFETCH", int(tuning.prefetch)), ("DECODE_MMA", 1),
+        ("SPAN_SLOTS", span_slots(head_dim, heads_per_cta, block_size, tuning)),
         *((("KV_EVICT_FIRST", 1),) if tuning.evict_first else ()),
         *((("MERGE_IN_KERNEL", 1),) if tuning.merge_in_kernel else ()), *((("PDL", 1),) if tuning.pdl else ())))
+
+
+MAX_SPAN = 4  # partitions one v3 CTA may compute in turn
+SPAN_SHARED_BYTES = 40 << 10  # static shared memory the span's per-warp states may take (48 KB in all)
+SPAN_FILL = 0.9  # a span is taken while the grid keeps at least this share of the GPU's CTA slots busy
+
+
+def span_slots(head_dim: int, heads_per_cta: int, block_size: int, tuning: MmaTuning = MmaTuning()) -> int:
+    """Partitions a v3 CTA can compute in turn: each keeps its 4 warps' unnormalized p.V (4 x heads x head_dim
+    floats) in shared memory until the CTA merges them, so the span is what fits SPAN_SHARED_BYTES, at most
+    MAX_SPAN (4 at head_dim 128 with 4 heads a CTA: 32 KB). 1 (the kernel saves its state after the slab
+    loop, as before spans) with the in-kernel merge (its counters count partition CTAs), and where saving a
+    partition's state inside the loop would spill at the occupancy MMA_MIN_CTAS_PER_SM asks: more than 4
+    heads a CTA, or blocks smaller than a slab (a slab's rows then need a block number each); nvcc's
+    report, tests/test_kernels_cpu.py."""
+    if tuning.merge_in_kernel or heads_per_cta > 4 or block_size < 16:
+        return 1
+    return max(1, min(MAX_SPAN, SPAN_SHARED_BYTES // (4 * heads_per_cta * head_dim * 4)))
+
+
+def span_schedule(tuning: MmaTuning, head_dim: int, heads_per_cta: int, block_size: int, num_groups: int,
+                  max_parts: int, num_sms: int) -> int:
+    """How many of a sequence's fixed partitions one v3 CTA computes in turn, for a launch of `num_groups`
+    (sequence, head group) pairs whose longest context has `max_parts` partitions (launch.paged_attention_decode
+    asks): its grid has num_groups * ceil(max_parts / span) CTAs.
+
+    Each CTA pays a start (the context length, block numbers and query: a round trip with no K/V in flight)
+    and an end (its warps merged through shared memory, partials written, and a reduce launch after the
+    grid) that a longer CTA pays once for several partitions. So the rule takes the longest span (1, 2 or
+    4 partitions) that shortens the grid and still fills SPAN_FILL of the GPU's CTA slots (at least one CTA
+    per SM): smaller batches keep one partition a CTA, the parallelism they need. A schedule, never a bit:
+    the partitions are the same fixed spans of the sequence, each merged over its warps in warp order, and a
+    CTA holding a whole context merges them with the reduce kernel's operations in its order
+    (tests/test_kernels_gpu.py holds every span to the reduce kernel's bits). `tuning.span` forces it
+    (benchmark candidates), capped by span_slots."""
+    slots = span_slots(head_dim, heads_per_cta, block_size, tuning)
+    if tuning.span is not None:
+        return max(1, min(tuning.span, slots))
+    fill = max(num_sms, SPAN_FILL * (tuning.min_ctas_per_sm or MMA_MIN_CTAS_PER_SM[head_dim]) * num_sms)
+    span = 1
+    for longer in (2, 4):
+        ctas = num_groups * -(-max_parts // longer)
+        if longer <= slots and ctas < num_groups * -(-max_parts // span) and ctas >= fill:
+            span = longer
+    return span
 
 
 SMALL_GRID_HEAD_DIMS = (128,)  # where small_grid_schedule applies (measured there)
@@ -157,6 +204,10 @@ CANDIDATES: dict[str, DecodeTuning | MmaTuning] = {
     "v3 mma no small-grid prefetch": MmaTuning(small_grid_prefetch=False),
     # K/V lines first out of L2: the block numbers and the partials the reduce kernel reads back stay in it
     "v3 mma evict first": MmaTuning(evict_first=True),
+    # a CTA per partition (the default before span_schedule), and two or four of a sequence's partitions per CTA
+    "v3 mma span1": MmaTuning(span=1),
+    "v3 mma span2": MmaTuning(span=2),
+    "v3 mma span4": MmaTuning(span=4),
 }
 
 

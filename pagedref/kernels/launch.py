@@ -120,8 +120,12 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if shape.num_seqs > _MAX_GRID_YZ:
         raise ValueError(f"{shape.num_seqs} sequences in one decode launch; at most {_MAX_GRID_YZ} are supported")
     hpc = heads_per_cta(shape.num_heads, shape.num_kv_heads) if version >= 2 else 1
-    grid = (shape.num_heads // hpc, max_parts, shape.num_seqs)
-    if version == 3:  # a schedule chosen from the grid: never a bit of the result
+    span = 1  # partitions per CTA
+    if version == 3:  # schedules chosen from the grid: never a bit of the result
+        span = build.span_schedule(tuning, shape.head_dim, hpc, shape.block_size,
+                                   shape.num_heads // hpc * shape.num_seqs, max_parts, _num_sms(q.device))
+    grid = (shape.num_heads // hpc, -(-max_parts // span), shape.num_seqs)
+    if version == 3:
         tuning = build.small_grid_schedule(tuning, shape.head_dim, grid[0] * grid[1] * grid[2], _num_sms(q.device))
     config = build.decode_config(_dtype_name(q), shape.head_dim, shape.block_size, hpc, tuning)
     common = (_ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(context_lens), np.int32(shape.max_blocks),
@@ -138,17 +142,17 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     max_logits = torch.empty(rows * max_parts + REDUCE_UNROLL, **f32)
     exp_sums = torch.empty_like(max_logits)
     merge_in_kernel = version == 3 and tuning.merge_in_kernel and max_parts > 1
-    counters = ()  # v3 takes its merge counters last (null when the reduce kernel merges)
+    v3_args = ()  # v3 takes its merge counters (null when the reduce kernel merges) and its span last
     if version == 3:
-        counters = (_ptr(_merge_counters(q.device, shape.num_seqs * (shape.num_heads // hpc))) if merge_in_kernel
-                    else np.uint64(0),)
+        v3_args = (_ptr(_merge_counters(q.device, shape.num_seqs * (shape.num_heads // hpc))) if merge_in_kernel
+                   else np.uint64(0), np.int32(span))
     _launch(config, f"paged_attention_v{version}", q.device, grid,
             (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(q), *common,
-             np.int32(max_parts), np.float32(scale), *counters))
-    if max_parts > 1 and not merge_in_kernel:
+             np.int32(max_parts), np.float32(scale), *v3_args))
+    if max_parts > span and not merge_in_kernel:  # some context has partitions in more than one CTA
         _launch(config, "paged_attention_reduce", q.device, (shape.num_seqs, -(-shape.num_heads // _REDUCE_ROWS_PER_CTA)),
                 (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(context_lens),
-                 np.int32(shape.num_heads), np.int32(max_parts)), pdl=version == 3 and tuning.pdl)
+                 np.int32(shape.num_heads), np.int32(max_parts), np.int32(span)), pdl=version == 3 and tuning.pdl)
     return out
 
 

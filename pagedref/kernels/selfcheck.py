@@ -64,6 +64,11 @@ def check_attention(head_dims: set[int] | None = None, only: str | list[str] | N
     # The reduce kernel as v3's programmatic dependent: resident before v3 ends, it waits for v3 in the kernel.
     pdl = MmaTuning(partition_size=512, pdl=True)
     runs += [("decode v3 pdl, p512, 34 partitions", dec, lambda p=dec: run_decode(p, version=3, tuning=pdl))]
+    # Spans: 2 or 4 partitions a CTA, merged in the CTA for a context of up to that many, partials and the
+    # reduce past it (full spans and a partial last one); with PDL the reduce is v3's programmatic dependent.
+    for name, t in (("span 2", MmaTuning(partition_size=512, span=2)), ("span 4", MmaTuning(partition_size=512, span=4)),
+                    ("span 4 pdl", MmaTuning(partition_size=512, span=4, pdl=True))):
+        runs += [(f"decode v3 {name}, p512, 34 partitions", dec, lambda p=dec, t=t: run_decode(p, version=3, tuning=t))]
     # v3's other shapes: block_size 8 (a 16-token slab spans two blocks), head_dim 64 and 256, 3 and
     # 8 query heads per CTA (empty mma columns; all eight used).
     for dtype, head_dim, block_size, num_heads in ((torch.float16, 64, 8, 6), (torch.bfloat16, 256, 16, 16)):
