@@ -46,14 +46,15 @@
 //      section below says how the fragments line up with plain 16-byte loads. The default decode
 //      kernel (1024-token partitions) wherever it applies; v2 (512) everywhere else.
 //   v3 with spans (SPAN_SLOTS > 1 compiled in; the launcher picks `span` per launch, build.span_schedule):
-//      one CTA computes `span` (2 or 4) of a sequence's fixed partitions in turn, where a grid of one
-//      partition a CTA would have several waves. A warp's slabs run on from one partition into the next;
+//      one CTA computes `span` (2 or 4) of a sequence's fixed partitions in turn, where a span holds
+//      every context of the launch and a CTA per context still fills the GPU. A warp's slabs run on from one partition into the next;
 //      at its last slab of a partition it saves its state (max, exp-sums, p.V) in that partition's shared
 //      slot and starts afresh, with no barrier. After the loop each partition's warps are merged as
 //      before, and a CTA holding its whole context merges the partitions with the reduce kernel's
 //      operations in its order (no partials, no reduce for it); otherwise it writes each partition's
 //      share. Same arithmetic per partition, same merge: the same bits whatever the span, so the span
-//      is chosen from the batch. What it saves is each CTA's start and end, paid once for 4 partitions.
+//      is chosen from the batch. What it saves is the partials and the reduce launch (and each CTA's start
+//      and end, paid once for 4 partitions).
 //   v3 with MERGE_IN_KERNEL=1 (candidates, not the default): the last partition CTA of each
 //      (sequence, head group) to finish merges the partitions itself (a ticket counter per group,
 //      flash-decoding's "last block reduces"), so no reduce launch follows; the same operations in
@@ -78,7 +79,8 @@
 //   v1:     grid (num_seqs, num_heads),                              block NUM_THREADS
 //   v2, v3: grid (num_heads / HEADS_PER_CTA, max_parts / span, num_seqs), block NUM_THREADS (the CTAs
 //           of one sequence and partition are neighbours in launch order; v2's span is 1)
-//   reduce: grid (num_seqs, ceil(num_heads / NUM_WARPS)),            block NUM_THREADS (a warp per head)
+//   reduce: grid (num_seqs, ceil(num_heads * ceil(HEAD_DIM / 32) / NUM_WARPS)), block NUM_THREADS (a warp per
+//           32 dims of a head)
 //
 // Compile-time parameters (-D): PR_DTYPE (0 fp32, 1 fp16, 2 bf16), HEAD_DIM (a multiple of VEC,
 // <= 256), BLOCK_SIZE, HEADS_PER_CTA (<= 8, divides the GQA group), PARTITION_SIZE (a multiple of
@@ -1154,18 +1156,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
 }
 #endif  // DECODE_MMA
 
-// Merge the partitions of each (sequence, head): the flash-decoding reduction. One warp per (sequence,
-// head) row, NUM_WARPS rows per CTA; lane l owns dims l, l + 32, ... For each partition p (increasing):
+// Merge the partitions of each (sequence, head): the flash-decoding reduction. For each partition p (increasing):
 // w_p = l_p * expf(m_p - M) with M the largest m_p, total += w_p, acc = fmaf(w_p, o_p, acc); out = acc / total.
-// Why a warp per row and REDUCE_UNROLL partitions' loads at once: the merge is a chain of round trips (the
-// context length, the maxima, then the partials), and it runs after v2/v3 with the GPU otherwise idle, so its
-// latency is the cost. Here every load of a chunk of partitions (maxima, exp-sums, partial outputs) is in
-// flight together before the max is needed: one round trip for up to REDUCE_UNROLL partitions (the weights
-// are recomputed per lane from the same values, so every lane's w_p is the same float). A CTA per row with
-// the weights through shared memory, as before, took 8.3 us at (64 sequences, 4096 tokens) under Nsight
-// Compute, 3% of the decode (H200, 2026-12-02); the operations and their order per element are unchanged.
-constexpr int REDUCE_UNROLL = 8;                         // partitions whose loads a lane has in flight at once
-constexpr int DPL_REDUCE = (HEAD_DIM + PR_WARP - 1) / PR_WARP;  // output dims per lane
+// Why this shape: the merge is a chain of round trips (the context length, the maxima, then the partials), and it
+// runs after v2/v3 with the GPU otherwise idle, so its latency is the cost. A row's head dimension is cut into
+// slices of 32 dims, one warp each (lane = one output dim), and a warp has a whole chunk of 32 partitions' loads
+// in flight at once: lane j loads partition j's max and exp-sum, and every lane its dim of all 32 partial
+// outputs. Up to 32 partitions (32k tokens at 1024-token partitions) that is one round trip, issued beside the
+// context length's. Lane p computes w_p and the lanes take the weights in partition order by shuffle, so
+// every lane of every slice adds the same floats in the same order: the operations and their order per element
+// are the ones this kernel has always had (a warp per row with 8 partitions in flight measured 4 chained round
+// trips at (8 sequences, 32768 tokens)).
+constexpr int REDUCE_CHUNK = PR_WARP;                            // partitions a warp has in flight at once
+constexpr int REDUCE_SLICES = (HEAD_DIM + PR_WARP - 1) / PR_WARP;  // warps per (sequence, head) row
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_reduce(
     scalar_t *__restrict__ out, const float *__restrict__ tmp_out, const float *__restrict__ max_logits,
@@ -1175,60 +1178,46 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_reduce
   // CTA waits, so this grid ends after v3 does and whatever follows it sees v3's outputs too.
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
-  const int s = blockIdx.x, h = blockIdx.y * NUM_WARPS + threadIdx.x / PR_WARP, lane = threadIdx.x % PR_WARP;
-  if (h >= num_heads) return;  // a whole warp
+  const int s = blockIdx.x, w = blockIdx.y * NUM_WARPS + threadIdx.x / PR_WARP, lane = threadIdx.x % PR_WARP;
+  const int h = w / REDUCE_SLICES, d = w % REDUCE_SLICES * PR_WARP + lane;
+  if (h >= num_heads) return;  // whole warps
   const int ctx = context_lens[s];
   const long long row = (long long)s * num_heads + h;
   const float *ml = max_logits + row * max_parts;
   const float *es = exp_sums + row * max_parts;
-  const float *o = tmp_out + row * max_parts * HEAD_DIM;
-  // A chunk of REDUCE_UNROLL partitions' loads, all in flight at once; the first is issued before num_parts is
-  // known, beside the context length's. A slot past num_parts holds whatever is there and never enters a value
-  // (the launcher pads the partial buffers by REDUCE_UNROLL slots, so no load leaves them).
-  float m_c[REDUCE_UNROLL], e_c[REDUCE_UNROLL], o_c[REDUCE_UNROLL][DPL_REDUCE];
+  const float *o = tmp_out + row * max_parts * HEAD_DIM + min(d, HEAD_DIM - 1);  // a lane past HEAD_DIM: a real dim, unstored
+  // A chunk's loads, all in flight at once: the first is issued before num_parts is known (any partition of the
+  // row: p < max_parts). A partition past num_parts holds whatever is there and never enters a value.
+  float m_p, e_p, o_c[REDUCE_CHUNK];  // lane j: partition p0 + j's max and exp-sum; o_c[u]: partition p0 + u at dim d
   auto load_chunk = [&](int p0) {
+    m_p = p0 + lane < max_parts ? __ldcg(ml + p0 + lane) : 0.f;
+    e_p = p0 + lane < max_parts ? __ldcg(es + p0 + lane) : 0.f;
 #pragma unroll
-    for (int u = 0; u < REDUCE_UNROLL; ++u) {
-      m_c[u] = __ldcg(ml + p0 + u);
-      e_c[u] = __ldcg(es + p0 + u);
-#pragma unroll
-      for (int i = 0; i < DPL_REDUCE; ++i) {  // a lane past HEAD_DIM loads a real dim, unused
-        const int d = HEAD_DIM % PR_WARP == 0 ? lane + i * PR_WARP : min(lane + i * PR_WARP, HEAD_DIM - 1);
-        o_c[u][i] = __ldcg(o + (long long)(p0 + u) * HEAD_DIM + d);
-      }
-    }
+    for (int u = 0; u < REDUCE_CHUNK; ++u) o_c[u] = p0 + u < max_parts ? __ldcg(o + (long long)(p0 + u) * HEAD_DIM) : 0.f;
   };
   load_chunk(0);
   const int num_parts = (ctx + PARTITION_SIZE - 1) / PARTITION_SIZE;
-  // No test before the first chunk is used: the compiler sank its loads below an early return for rows of one
-  // partition (a second round trip on every row). So the first chunk's max and sums are computed whatever the
-  // context (by selects: a slot past num_parts never enters a value) and the test comes at the store.
-  float m = neg_inf();  // M: the largest partition max (exact in any order)
-#pragma unroll
-  for (int u = 0; u < REDUCE_UNROLL; ++u) m = u < num_parts ? fmaxf(m, m_c[u]) : m;
-  for (int p = REDUCE_UNROLL + lane; p < num_parts; p += PR_WARP) m = fmaxf(m, ml[p]);
+  // No test before the first chunk is used: the compiler would sink its loads below an early return for rows of
+  // one partition (a second round trip on every row); the test comes at the store.
+  float m = lane < num_parts ? m_p : neg_inf();  // M: the largest partition max (exact in any order)
+  for (int p = REDUCE_CHUNK + lane; p < num_parts; p += PR_WARP) m = fmaxf(m, ml[p]);  // past 32 partitions
   m = group_max<PR_WARP>(m);
 
-  float total = 0.f, acc[DPL_REDUCE];  // every lane adds the weights in the same order: the same bits
-#pragma unroll
-  for (int i = 0; i < DPL_REDUCE; ++i) acc[i] = 0.f;
+  float total = 0.f, acc = 0.f;  // every lane adds the weights in the same order: the same bits
   for (int p0 = 0;;) {
+    const float w_p = e_p * expf(m_p - m);  // lane j's weight, partition p0 + j
 #pragma unroll
-    for (int u = 0; u < REDUCE_UNROLL; ++u) {
+    for (int u = 0; u < REDUCE_CHUNK; ++u) {
       const bool in = p0 + u < num_parts;
-      const float w = e_c[u] * expf(m_c[u] - m);
-      total = in ? total + w : total;
-#pragma unroll
-      for (int i = 0; i < DPL_REDUCE; ++i) acc[i] = in ? fmaf(w, o_c[u][i], acc[i]) : acc[i];
+      const float wu = __shfl_sync(PR_FULL_MASK, w_p, u);
+      total = in ? total + wu : total;
+      acc = in ? fmaf(wu, o_c[u], acc) : acc;
     }
-    p0 += REDUCE_UNROLL;
+    p0 += REDUCE_CHUNK;
     if (p0 >= num_parts) break;
     load_chunk(p0);
   }
-  if (num_parts <= span) return;  // v2/v3 wrote this row directly (one CTA computed all its partitions)
-#pragma unroll
-  for (int i = 0; i < DPL_REDUCE; ++i) {
-    const int d = lane + i * PR_WARP;
-    if (d < HEAD_DIM) out[row * HEAD_DIM + d] = from_float(acc[i] / total);
-  }
+  if (num_parts <= span || d >= HEAD_DIM) return;  // v2/v3 wrote this row directly (one CTA computed all its partitions)
+  out[row * HEAD_DIM + d] = from_float(acc / total);
 }
+

@@ -60,17 +60,12 @@ def test_threads_per_token_rule(head_dim, heads, elem_size):
 
 
 def test_the_launchers_constants_are_the_kernels():
-    # Constants the launcher and the CUDA sources share, each written in both: the CTA's thread count, and the
-    # partitions the reduce kernel loads at once past a row's last one (the launcher pads the partial buffers by
-    # that many slots: fewer would let the kernel read past them).
+    # A constant the launcher and the CUDA sources share, written in both: the CTA's thread count (the launcher's
+    # grids count warps from it).
     import re
-
-    from pagedref.kernels import launch
 
     cuda = build.CUDA_DIR
     assert re.search(r"constexpr int NUM_THREADS = (\d+);", (cuda / "common.cuh").read_text())[1] == str(splitk.NUM_THREADS)
-    unroll = re.search(r"constexpr int REDUCE_UNROLL = (\d+);", (cuda / "paged_attention.cu").read_text())[1]
-    assert launch.REDUCE_UNROLL >= int(unroll), "the partial buffers must be padded by the reduce kernel's chunk"
 
 
 def test_kernel_configs_are_distinct_and_their_sources_exist():
@@ -104,15 +99,15 @@ def test_pdl_is_a_compile_time_knob_of_v3_only_when_asked_for():
     assert ("PDL", 1) in build.mma_decode_config("bfloat16", 128, 16, 4, build.MmaTuning(pdl=True)).defines
 
 
-def test_a_grid_that_fills_the_gpu_with_fewer_ctas_takes_longer_spans():
-    # span_schedule: the longest span (1, 2, 4 partitions a CTA) whose grid keeps SPAN_FILL of the CTA slots
-    # busy (4 CTAs per SM at head_dim 128). 64 x 4096 tokens, 32 / 8 heads: 2048 CTAs of one partition, 512 of four.
+def test_a_grid_that_fills_the_gpu_with_whole_contexts_takes_spans_that_hold_them():
+    # span_schedule: the shortest span (2 or 4 partitions a CTA) that holds every context, so that no reduce
+    # kernel follows, where a CTA per (sequence, head group) still keeps SPAN_FILL of the CTA slots busy (4 CTAs
+    # per SM at head_dim 128: 475). 64 x 4096 tokens, 32 / 8 heads: 512 CTAs of four partitions.
     rule = lambda seqs, parts, **kw: build.span_schedule(build.MmaTuning(**kw), 128, 4, 16, 8 * seqs, parts, 132)  # noqa: E731
-    assert rule(64, 4) == 4
-    assert rule(8, 32) == 4  # 8 x 32768 tokens
-    assert rule(1, 128) == 2  # 1 x 131072: 512 CTAs of 2 partitions, 256 of 4 (fewer than 475)
-    assert rule(8, 4) == rule(256, 1) == rule(1, 4) == 1
-    assert rule(128, 3) == 4 and rule(256, 2) == 2  # a longer span only where it shortens the grid
+    assert rule(64, 4) == rule(128, 3) == 4 and rule(256, 2) == 2
+    assert rule(8, 32) == rule(64, 5) == 1  # no span holds the context: one partition a CTA, the reduce merges
+    assert rule(8, 4) == rule(1, 4) == 1  # 64 or 8 CTAs would leave most SMs idle
+    assert rule(256, 1) == 1  # one partition: nothing to merge
     assert rule(64, 4, span=1) == 1 and rule(1, 4, span=4) == 4  # forced (benchmark candidates)
     assert rule(64, 4, merge_in_kernel=True) == 1  # its counters count partition CTAs
     # Where the state a span keeps would not fit (or would spill): one partition a CTA whatever the grid.

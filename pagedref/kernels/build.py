@@ -111,7 +111,7 @@ def mma_decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta:
 
 MAX_SPAN = 4  # partitions one v3 CTA may compute in turn
 SPAN_SHARED_BYTES = 40 << 10  # static shared memory the span's per-warp states may take (48 KB in all)
-SPAN_FILL = 0.9  # a span is taken while the grid keeps at least this share of the GPU's CTA slots busy
+SPAN_FILL = 0.9  # a span is taken only while the grid keeps at least this share of the GPU's CTA slots busy
 
 
 def span_slots(head_dim: int, heads_per_cta: int, block_size: int, tuning: MmaTuning = MmaTuning()) -> int:
@@ -133,25 +133,23 @@ def span_schedule(tuning: MmaTuning, head_dim: int, heads_per_cta: int, block_si
     (sequence, head group) pairs whose longest context has `max_parts` partitions (launch.paged_attention_decode
     asks): its grid has num_groups * ceil(max_parts / span) CTAs.
 
-    Each CTA pays a start (the context length, block numbers and query: a round trip with no K/V in flight)
-    and an end (its warps merged through shared memory, partials written, and a reduce launch after the
-    grid) that a longer CTA pays once for several partitions. So the rule takes the longest span (1, 2 or
-    4 partitions) that shortens the grid and still fills SPAN_FILL of the GPU's CTA slots (at least one CTA
-    per SM): smaller batches keep one partition a CTA, the parallelism they need. A schedule, never a bit:
-    the partitions are the same fixed spans of the sequence, each merged over its warps in warp order, and a
-    CTA holding a whole context merges them with the reduce kernel's operations in its order
-    (tests/test_kernels_gpu.py holds every span to the reduce kernel's bits). `tuning.span` forces it
+    A span long enough to hold a whole context (2 or 4 >= max_parts) lets each CTA merge its partitions itself,
+    so no partials are written and no reduce kernel follows the grid; the rule takes the shortest such span
+    while the grid still fills SPAN_FILL of the GPU's CTA slots (at least one CTA per SM), and 1 otherwise.
+    Measured on an H200 (2026-12-03, docs/benchmarks.md): at 64 x 4096 tokens (4 partitions) span 4 streams
+    1-2% faster than one partition a CTA; where a span cannot hold the context (8 x 32768) a span of 4 was 2%
+    slower (512 long CTAs in one wave end unevenly, where 2048 short ones balance), so there it stays 1. A
+    schedule, never a bit: the partitions are the same fixed spans of the sequence, each merged over its warps
+    in warp order, and a CTA holding a whole context merges them with the reduce kernel's operations in its
+    order (tests/test_kernels_gpu.py holds every span to the reduce kernel's bits). `tuning.span` forces it
     (benchmark candidates), capped by span_slots."""
     slots = span_slots(head_dim, heads_per_cta, block_size, tuning)
     if tuning.span is not None:
         return max(1, min(tuning.span, slots))
     fill = max(num_sms, SPAN_FILL * (tuning.min_ctas_per_sm or MMA_MIN_CTAS_PER_SM[head_dim]) * num_sms)
-    span = 1
-    for longer in (2, 4):
-        ctas = num_groups * -(-max_parts // longer)
-        if longer <= slots and ctas < num_groups * -(-max_parts // span) and ctas >= fill:
-            span = longer
-    return span
+    if max_parts == 1 or num_groups < fill:  # nothing to merge, or a grid of one CTA a context leaves SMs idle
+        return 1
+    return next((span for span in (2, 4) if max_parts <= span <= slots), 1)
 
 
 SMALL_GRID_HEAD_DIMS = (128,)  # where small_grid_schedule applies (measured there)

@@ -23,8 +23,7 @@ from pagedref.kernels import build, driver, validate
 from pagedref.kernels.splitk import (NUM_THREADS, PREFILL_MMA_ROWS, PREFILL_ROWS, heads_per_cta, mma_supported,
                                      num_partitions, prefill_mma_shared_bytes)
 
-REDUCE_UNROLL = 8  # partitions the reduce kernel loads at once (cuda/paged_attention.cu's REDUCE_UNROLL)
-_REDUCE_ROWS_PER_CTA = NUM_THREADS // 32  # the reduce kernel: a warp per (sequence, head) row
+_WARPS_PER_CTA = NUM_THREADS // 32  # the reduce kernel: a warp per 32 dims of a (sequence, head) row
 _STATIC_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 PREFILL_VERSIONS = (1, 2, 3)
@@ -135,11 +134,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                 (_ptr(out), _ptr(q), *common, np.float32(scale)))
         return out
     f32 = dict(dtype=torch.float32, device=q.device)
-    # The partials, each buffer padded by REDUCE_UNROLL partition slots: the reduce kernel loads a chunk of that
-    # many partitions at once, past a row's last one.
-    rows = shape.num_seqs * shape.num_heads
-    tmp_out = torch.empty((rows * max_parts + REDUCE_UNROLL) * shape.head_dim, **f32)
-    max_logits = torch.empty(rows * max_parts + REDUCE_UNROLL, **f32)
+    rows = shape.num_seqs * shape.num_heads  # the partials: [rows, max_parts] (x head_dim for tmp_out)
+    tmp_out = torch.empty(rows * max_parts * shape.head_dim, **f32)
+    max_logits = torch.empty(rows * max_parts, **f32)
     exp_sums = torch.empty_like(max_logits)
     merge_in_kernel = version == 3 and tuning.merge_in_kernel and max_parts > 1
     v3_args = ()  # v3 takes its merge counters (null when the reduce kernel merges) and its span last
@@ -150,7 +147,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(q), *common,
              np.int32(max_parts), np.float32(scale), *v3_args))
     if max_parts > span and not merge_in_kernel:  # some context has partitions in more than one CTA
-        _launch(config, "paged_attention_reduce", q.device, (shape.num_seqs, -(-shape.num_heads // _REDUCE_ROWS_PER_CTA)),
+        warps = shape.num_heads * -(-shape.head_dim // 32)  # a warp per 32 dims of a row (REDUCE_SLICES)
+        _launch(config, "paged_attention_reduce", q.device, (shape.num_seqs, -(-warps // _WARPS_PER_CTA)),
                 (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(context_lens),
                  np.int32(shape.num_heads), np.int32(max_parts), np.int32(span)), pdl=version == 3 and tuning.pdl)
     return out
