@@ -793,32 +793,22 @@ __device__ __forceinline__ void write_partitions(scalar_t *__restrict__ out, flo
   for (int i = threadIdx.x; i < G * HEAD_DIM; i += NUM_THREADS) {
     const int g = i / HEAD_DIM, d = i % HEAD_DIM;
     const long long row = row0 + g;
-    if (whole) {
-      float big = neg_inf();  // M (exact in any order); m_p * ln 2 rounded as the partials store it
+    float big = neg_inf();  // a whole context's M (exact in any order); m_p * ln 2 rounded as the partials store it
 #pragma unroll 1
-      for (int q = 0; q < SPAN_SLOTS && q < num_q; ++q)
-        big = fmaxf(big, __fmul_rn(partition_max(q, g, warps_with_slabs(q, num_slabs)), LN2));
-      float total = 0.f, merged = 0.f;
-#pragma unroll 1
-      for (int q = 0; q < SPAN_SLOTS && q < num_q; ++q) {
-        const int busy = warps_with_slabs(q, num_slabs);
-        const float m = partition_max(q, g, busy);
-        float l, acc;
-        partition_share(q, g, d, busy, m, l, acc);
-        const float w = l * expf(__fmul_rn(m, LN2) - big);
-        total += w;
-        merged = fmaf(w, acc / l, merged);
-      }
-      out[row * HEAD_DIM + d] = from_float(merged / total);
-      continue;
-    }
+    for (int q = 0; whole && q < SPAN_SLOTS && q < num_q; ++q)
+      big = fmaxf(big, __fmul_rn(partition_max(q, g, warps_with_slabs(q, num_slabs)), LN2));
+    float total = 0.f, merged = 0.f;
 #pragma unroll 1
     for (int q = 0; q < SPAN_SLOTS && q < num_q; ++q) {
       const int busy = warps_with_slabs(q, num_slabs);
       const float m = partition_max(q, g, busy);
       float l, acc;
       partition_share(q, g, d, busy, m, l, acc);
-      if (num_parts == 1) {
+      if (whole) {  // merged as paged_attention_reduce merges: w rounded, then added
+        const float w = __fmul_rn(l, expf(__fmul_rn(m, LN2) - big));
+        total += w;
+        merged = fmaf(w, acc / l, merged);
+      } else if (num_parts == 1) {
         out[row * HEAD_DIM + d] = from_float(acc / l);
       } else {
         tmp_out[(row * max_parts + part0 + q) * HEAD_DIM + d] = acc / l;
@@ -828,6 +818,7 @@ __device__ __forceinline__ void write_partitions(scalar_t *__restrict__ out, flo
         }
       }
     }
+    if (whole) out[row * HEAD_DIM + d] = from_float(merged / total);
   }
 }
 
