@@ -54,7 +54,10 @@
 //      operations in its order (no partials, no reduce for it); otherwise it writes each partition's
 //      share. Same arithmetic per partition, same merge: the same bits whatever the span, so the span
 //      is chosen from the batch. What it saves is the partials and the reduce launch (and each CTA's start
-//      and end, paid once for 4 partitions).
+//      and end, paid once for 4 partitions). What it costs even at span 1: its slots' shared memory (32 KB
+//      at head_dim 128) leaves L1 less room for the loads in flight (python -m pagedref.bench gather), and
+//      its loop tests for partition ends; so a launch of one partition a CTA runs the build without span
+//      slots (SPAN_SLOTS=1, build.span_build), the same operations in the same order.
 //   v3 with MERGE_IN_KERNEL=1 (candidates, not the default): the last partition CTA of each
 //      (sequence, head group) to finish merges the partitions itself (a ticket counter per group,
 //      flash-decoding's "last block reduces"), so no reduce launch follows; the same operations in

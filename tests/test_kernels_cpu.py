@@ -117,6 +117,13 @@ def test_a_grid_that_fills_the_gpu_with_whole_contexts_takes_spans_that_hold_the
     # A build with spans is a different binary; without them (slots 1) the kernel saves its state after its loop.
     assert dict(build.mma_decode_config("bfloat16", 128, 16, 4).defines)["SPAN_SLOTS"] == 4
     assert dict(build.mma_decode_config("bfloat16", 128, 8, 4).defines)["SPAN_SLOTS"] == 1
+    # A launch of one partition a CTA runs the build without spans (span_build; the same operations), a span the
+    # build with them; both are in CI's compile list.
+    one, four = build.span_build(build.MmaTuning(), 1), build.span_build(build.MmaTuning(), 4)
+    assert dict(build.mma_decode_config("bfloat16", 128, 16, 4, one).defines)["SPAN_SLOTS"] == 1
+    assert four == build.MmaTuning() and one.partition_size == four.partition_size
+    assert {build.mma_decode_config(d, h, 16, 4, t) for d in ("float16", "bfloat16") for h in splitk.MMA_HEAD_DIMS
+            for t in (one, four)} <= set(build.ci_configs())
 
 
 def test_a_grid_of_at_most_one_cta_per_sm_takes_the_prefetch_build_and_nothing_else_changes():
@@ -130,12 +137,15 @@ def test_a_grid_of_at_most_one_cta_per_sm_takes_the_prefetch_build_and_nothing_e
     assert build.small_grid_schedule(off, 128, num_ctas=8, num_sms=132) == off
     p2048 = build.small_grid_schedule(build.MmaTuning(partition_size=2048), 128, num_ctas=8, num_sms=132)
     assert (p2048.partition_size, p2048.prefetch) == (2048, True)
+    # A grid that small has one partition a CTA (span_schedule), so the launcher asks for it after span_build.
     compiled = set(build.ci_configs())
     for dtype in ("float16", "bfloat16"):
         for block_size in splitk.SUPPORTED_BLOCK_SIZES:
-            assert build.mma_decode_config(dtype, 128, block_size, 4, small) in compiled
+            one = build.small_grid_schedule(build.span_build(build.MmaTuning(), 1), 128, 1, 132)
+            assert build.mma_decode_config(dtype, 128, block_size, 4, one) in compiled
         for name, t in build.CANDIDATES.items():
             if t.version == 3:
+                t = build.span_build(t, t.span or 1)
                 assert build.decode_config(dtype, 128, 16, 4, build.small_grid_schedule(t, 128, 1, 132)) in compiled, name
 
 
@@ -404,3 +414,12 @@ def test_bench_kernel_peers_argument(monkeypatch, capsys):
     fake = types.ModuleType("flashinfer")
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     assert kernel.load_peers(["flashinfer"]) == {"flashinfer": fake}
+
+
+def test_the_read_roofline_kernel_is_compiled_by_ci_and_the_gather_bench_refuses_bad_arguments():
+    from pagedref.bench import gather
+
+    assert {build.kv_read_config(p) for p in build.KV_READ_PATTERNS} <= set(build.ci_configs())
+    for bad in (["--context", "1000"], ["--shared-kb", "64"], ["--batch", "0"]):
+        with pytest.raises(SystemExit):
+            gather.main(bad)

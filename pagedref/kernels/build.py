@@ -63,6 +63,9 @@ class DecodeTuning:
     stages: int = 4  # depth of that ring
 
 
+MAX_SPAN = 4  # partitions one v3 CTA may compute in turn
+
+
 @dataclass(frozen=True)
 class MmaTuning:
     """The tensor-core decode kernel's (v3) fixed design constants, under the same rule: only
@@ -79,6 +82,7 @@ class MmaTuning:
     pdl: bool = False  # the reduce kernel launches while v3 runs and waits for it in-kernel (sm_90); same bits
     small_grid_prefetch: bool = True  # a grid of at most one CTA per SM runs small_grid_schedule's build; same bits
     span: int | None = None  # partitions per CTA, computed in turn (None: span_schedule's rule from the grid); same bits
+    max_span: int = MAX_SPAN  # span slots compiled in (SPAN_SLOTS; 1: the build without spans); same bits
 
 
 def decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta: int,
@@ -109,7 +113,6 @@ def mma_decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta:
         *((("MERGE_IN_KERNEL", 1),) if tuning.merge_in_kernel else ()), *((("PDL", 1),) if tuning.pdl else ())))
 
 
-MAX_SPAN = 4  # partitions one v3 CTA may compute in turn
 SPAN_SHARED_BYTES = 40 << 10  # static shared memory the span's per-warp states may take (48 KB in all)
 SPAN_FILL = 0.9  # a span is taken only while the grid keeps at least this share of the GPU's CTA slots busy
 
@@ -124,7 +127,7 @@ def span_slots(head_dim: int, heads_per_cta: int, block_size: int, tuning: MmaTu
     report, tests/test_kernels_cpu.py."""
     if tuning.merge_in_kernel or heads_per_cta > 4 or block_size < 16:
         return 1
-    return max(1, min(MAX_SPAN, SPAN_SHARED_BYTES // (4 * heads_per_cta * head_dim * 4)))
+    return max(1, min(MAX_SPAN, tuning.max_span, SPAN_SHARED_BYTES // (4 * heads_per_cta * head_dim * 4)))
 
 
 def span_schedule(tuning: MmaTuning, head_dim: int, heads_per_cta: int, block_size: int, num_groups: int,
@@ -150,6 +153,15 @@ def span_schedule(tuning: MmaTuning, head_dim: int, heads_per_cta: int, block_si
     if max_parts == 1 or num_groups < fill:  # nothing to merge, or a grid of one CTA a context leaves SMs idle
         return 1
     return next((span for span in (2, 4) if max_parts <= span <= slots), 1)
+
+
+def span_build(tuning: MmaTuning, span: int) -> MmaTuning:
+    """The v3 build a launch of `span` partitions a CTA runs (launch.paged_attention_decode asks). One partition
+    a CTA runs the build without span slots (SPAN_SLOTS=1): its slab loop has no partition ends to test and its
+    state is saved after the loop, and it has no slots' shared memory taking L1's room (32 KB at head_dim 128:
+    `python -m pagedref.bench gather`). It streamed 1-4% faster than the span build at the same grids (H200,
+    2026-12-04, docs/benchmarks.md). A build, never a bit: every span is held to its bits (tests/test_kernels_gpu.py)."""
+    return dataclasses.replace(tuning, max_span=1) if span == 1 else tuning
 
 
 SMALL_GRID_HEAD_DIMS = (128,)  # where small_grid_schedule applies (measured there)
@@ -356,6 +368,11 @@ def gemm_config(dtype: str, tile: GemmTile, silu_mul: bool = False) -> KernelCon
 
 
 CACHE_OPS = KernelConfig("cache_ops.cu")
+KV_READ_PATTERNS = {"v3 lanes": 0, "whole rows": 1, "whole blocks": 2}  # cuda/kv_read.cu (bench gather)
+
+
+def kv_read_config(pattern: str) -> KernelConfig:
+    return KernelConfig("kv_read.cu", (("HEAD_DIM", 128), ("BLOCK_SIZE", 16), ("PATTERN", KV_READ_PATTERNS[pattern])))
 
 
 def ci_configs() -> list[KernelConfig]:
@@ -373,18 +390,25 @@ def ci_configs() -> list[KernelConfig]:
     v3_schedules = (PrefillV3Schedule(), PREFILL_V3_SCHEDULES["persistent rcp tma"], PREFILL_V3_SCHEDULES["rcp tma"])
     configs += [prefill_config(dtype, head_dim, block_size, version=3, schedule=s) for dtype in ("float16", "bfloat16")
                 for head_dim in PREFILL_V3_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES for s in v3_schedules]
-    # v3's small-grid build (small_grid_schedule) wherever the default v3 runs at head_dim 128
-    small = small_grid_schedule(MmaTuning(), SMALL_GRID_HEAD_DIMS[0], num_ctas=1, num_sms=1)
+    # v3's build for one partition a CTA (span_build) and its small-grid build (small_grid_schedule: a grid that
+    # small has one partition a CTA) wherever the default v3 runs
+    one = span_build(MmaTuning(), 1)
+    small = small_grid_schedule(one, SMALL_GRID_HEAD_DIMS[0], num_ctas=1, num_sms=1)
+    configs += [mma_decode_config(dtype, head_dim, block_size, 4, one) for dtype in ("float16", "bfloat16")
+                for head_dim in MMA_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES]
     configs += [mma_decode_config(dtype, head_dim, block_size, 4, small) for dtype in ("float16", "bfloat16")
                 for head_dim in SMALL_GRID_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES]
     configs += [decode_config("bfloat16", 128, 16, g, t) for g in (1, 2, 3, 5, 6, 7, 8)
-                for t in (DecodeTuning(), MmaTuning(), small)]
+                for t in (DecodeTuning(), MmaTuning(), one, small)]
     configs += [decode_config(dtype, 128, 16, 4, t) for dtype in ("float16", "bfloat16") for t in CANDIDATES.values()]
-    configs += [decode_config(dtype, 128, 16, 4, small_grid_schedule(t, 128, num_ctas=1, num_sms=1))
-                for dtype in ("float16", "bfloat16") for t in CANDIDATES.values() if t.version == 3]
+    configs += [decode_config(dtype, 128, 16, 4, small_grid_schedule(span_build(t, span), 128, num_ctas=1, num_sms=1))
+                for dtype in ("float16", "bfloat16") for t in CANDIDATES.values() if t.version == 3 for span in (1, 4)]
+    configs += [decode_config(dtype, 128, 16, 4, span_build(t, 1)) for dtype in ("float16", "bfloat16")
+                for t in CANDIDATES.values() if t.version == 3]
     configs += [prefill_config("bfloat16", head_dim, 16, 3, schedule=s) for head_dim in PREFILL_V3_HEAD_DIMS
                 for s in PREFILL_V3_SCHEDULES.values()]
     configs += [KernelConfig("fused_ops.cu", (("PR_DTYPE", code),)) for code in DTYPE_CODES.values()]  # kernels.fused
+    configs += [kv_read_config(p) for p in KV_READ_PATTERNS]  # bench gather
     configs += [gemm_config(d, GemmTile(bn), silu) for d in ("bfloat16", "float16") for bn in GEMM_WIDTHS
                 for silu in (False, True)]  # kernels.gemm
     return list(dict.fromkeys(configs))  # each once, in order

@@ -123,6 +123,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if version == 3:  # schedules chosen from the grid: never a bit of the result
         span = build.span_schedule(tuning, shape.head_dim, hpc, shape.block_size,
                                    shape.num_heads // hpc * shape.num_seqs, max_parts, _num_sms(q.device))
+        tuning = build.span_build(tuning, span)
     grid = (shape.num_heads // hpc, -(-max_parts // span), shape.num_seqs)
     if version == 3:
         tuning = build.small_grid_schedule(tuning, shape.head_dim, grid[0] * grid[1] * grid[2], _num_sms(q.device))

@@ -1,0 +1,111 @@
+"""`python -m pagedref.bench gather`: the read roofline of the paged K/V pool, access pattern by access pattern.
+
+One idea: decode attention is a stream of K/V reads, so its ceiling is the speed at which the GPU reads the pool
+in the kernel's own access pattern, with the kernel's own occupancy, and nothing else. `cuda/kv_read.cu` does
+exactly that (a checksum of the bytes, no arithmetic): v3's per-lane loads, whole rows, or whole blocks, each with
+a reservation of shared memory per CTA that the kernel never touches. Beside it, in the same run and on the same
+pool, the default decode kernel: its share of its own pattern's roofline is what a better schedule could still
+win. Invariant: every pattern reads every K/V byte of the batch once (the checksums say which bytes:
+tests/test_bench_gather_gpu.py).
+
+What it showed on an H200 (2026-12-04, docs/benchmarks.md): the pool's 256-byte rows in random blocks read at
+~4.4-4.5 TB/s in v3's pattern, ~1% more in whole rows, ~1% more again with the blocks in order; and shared memory
+costs the stream: 4 CTAs an SM of 36 KB each read 6% slower than of 20 KB (L1 and shared memory share the SM's
+256 KB, and L1 holds the lines of the loads in flight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+import numpy as np
+import torch
+
+from pagedref.bench.kernel import NUM_KV_HEADS, DecodeCase, copy_bandwidth, time_rounds
+
+PARTITION_SIZE = 1024  # tokens a CTA reads (kv_read.cu's PARTITION_SIZE: v3's partition)
+
+
+def read_fn(case: DecodeCase, pattern: str, shared_kb: int, block_tables: torch.Tensor, out: torch.Tensor):
+    """A launch of kv_read over `case`'s pool, as `pattern` reads it, with `shared_kb` KB reserved per CTA."""
+    from pagedref.kernels import build
+    from pagedref.kernels.launch import _launch, _ptr
+
+    grid = (NUM_KV_HEADS, case.context // PARTITION_SIZE, case.batch)
+    args = (_ptr(case.k_cache), _ptr(case.v_cache), _ptr(block_tables), np.int32(block_tables.shape[1]), _ptr(out))
+    config = build.kv_read_config(pattern)
+    return lambda: _launch(config, "kv_read", case.k_cache.device, grid, args, shared_mem=shared_kb << 10)
+
+
+def expected_checksums(case: DecodeCase, pattern: str, block_tables: torch.Tensor) -> np.ndarray:
+    """What each CTA's checksum must be: the xor of the 32-bit words of the bytes its pattern reads
+    [num_seqs, partitions, num_kv_heads] (numpy, for the test)."""
+    k = case.k_cache.view(torch.int32).cpu().numpy()  # [blocks, 16, heads, 64 words]
+    v = case.v_cache.view(torch.int32).cpu().numpy()
+    tables = block_tables.cpu().numpy()
+    steps = PARTITION_SIZE // 16
+    out = np.zeros((case.batch, case.context // PARTITION_SIZE, NUM_KV_HEADS), dtype=np.int32)
+    for s, p, h in np.ndindex(*out.shape):
+        blocks = tables[s, p * steps:(p + 1) * steps]
+        if pattern == "whole blocks":  # blocks h, h + heads, ... of the partition, every head
+            words = np.concatenate([k[blocks[h::NUM_KV_HEADS]].ravel(), v[blocks[h::NUM_KV_HEADS]].ravel()])
+        else:  # kv head h of every block of the partition
+            words = np.concatenate([k[blocks, :, h].ravel(), v[blocks, :, h].ravel()])
+        out[s, p, h] = np.bitwise_xor.reduce(words)
+    return out
+
+
+def bench(batch: int, context: int, patterns: list[str], shared_kbs: list[int], reps: int) -> dict:
+    """GB/s of K/V read by each (pattern, shared KB, block order), and by the default decode kernel, measured in
+    interleaved rounds on one pool (bench.kernel.time_rounds)."""
+    case = DecodeCase(batch, context)
+    in_order = torch.arange(case.block_tables.numel(), dtype=torch.int32, device="cuda").view_as(case.block_tables)
+    out = torch.zeros(case.batch * (context // PARTITION_SIZE) * NUM_KV_HEADS, dtype=torch.int32, device="cuda")
+    fns = {"decode (default)": [case.run]}
+    for pattern in patterns:
+        for kb in shared_kbs:
+            fns[f"{pattern}, {kb} KB shared a CTA"] = [read_fn(case, pattern, kb, case.block_tables, out)]
+        fns[f"{pattern}, blocks in order, {shared_kbs[0]} KB"] = [read_fn(case, pattern, shared_kbs[0], in_order, out)]
+    times = time_rounds(fns, reps)
+    return {"batch": batch, "context": context, "kv_GB": case.kv_bytes / 1e9,
+            "GBps": {name: case.kv_bytes / ms / 1e6 for name, (ms, _) in times.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagedref.kernels.build import KV_READ_PATTERNS
+
+    ap = argparse.ArgumentParser(prog="python -m pagedref.bench gather", description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=4096, help="tokens a sequence (a multiple of 1024)")
+    ap.add_argument("--patterns", nargs="+", choices=list(KV_READ_PATTERNS), default=list(KV_READ_PATTERNS))
+    ap.add_argument("--shared-kb", nargs="+", type=int, default=[0, 12, 20, 36, 54], metavar="KB",
+                    help="shared memory reserved per CTA (4 CTAs an SM; at most 56 KB)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", help="also write the results as JSON to this path")
+    args = ap.parse_args(argv)
+    if args.context % PARTITION_SIZE or args.context <= 0 or args.batch <= 0:
+        ap.error(f"--context must be a positive multiple of {PARTITION_SIZE} and --batch positive")
+    if any(kb < 0 or kb > 56 for kb in args.shared_kb):
+        ap.error("--shared-kb takes 0 to 56 KB (4 CTAs of 128 threads an SM share 228 KB)")
+    if not torch.cuda.is_available():
+        print("the gather benchmark needs a CUDA GPU", file=sys.stderr)
+        return 1
+    res = {"command": "python -m pagedref.bench gather " + " ".join(argv or []),
+           "gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat()}
+    res["copy_GBps"], res["copy_method"] = copy_bandwidth(args.reps)
+    res.update(bench(args.batch, args.context, args.patterns, args.shared_kb, args.reps))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    print(f"{res['gpu']}, {res['date']}: ({args.batch}, {args.context}), {res['kv_GB']:.2f} GB of K/V; "
+          f"copy {res['copy_GBps']:.0f} GB/s (read + written)")
+    for name, gbps in res["GBps"].items():
+        print(f"  {name:45s} {gbps:7.0f} GB/s  {gbps / res['copy_GBps']:6.1%} of the copy")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
