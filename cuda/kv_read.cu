@@ -36,10 +36,10 @@ __device__ __forceinline__ void load_step(const unsigned short *cache, const int
   for (int j = 0; j < 8; ++j) r[j] = __ldg(reinterpret_cast<const uint4 *>(p + j * 256 + lane * 8));
 #else
   const unsigned short *p = cache + (long long)blocks[step] * BLOCK_SIZE * row + kv_head * HEAD_DIM;
-  const int grp = lane / 4, tig = lane % 4;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
 #if PATTERN == 0
+    const int grp = lane / 4, tig = lane % 4;
     const int t = kv == 0 ? grp + 8 * (j / 4) : 2 * tig + (j / 2 & 1) + 8 * (j / 4);
     const int d = kv == 0 ? 32 * (j % 4) + 8 * tig : 64 * (j % 2) + 8 * grp;
 #else

@@ -1133,7 +1133,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
                    span, num_slabs);
 #if MERGE_IN_KERNEL
   if (num_parts == 1) return;  // the output is written: no partials, no counter
-  const int part = blockIdx.y;  // span is 1 here (the launcher's rule)
   __shared__ int is_last;
   __threadfence();  // this thread's partials are visible device-wide before the ticket below is taken
   __syncthreads();
