@@ -17,8 +17,8 @@ def test_each_cta_reads_the_bytes_of_its_pattern(pattern, shared_kb):
     from pagedref.bench.kernel import NUM_KV_HEADS, DecodeCase
 
     case = DecodeCase(batch=3, context=2 * PARTITION_SIZE, seed=5)
-    out = torch.zeros(3 * 2 * NUM_KV_HEADS, dtype=torch.int32, device="cuda")
+    out = torch.zeros(3, 2, NUM_KV_HEADS, dtype=torch.int32, device="cuda")
     read_fn(case, pattern, shared_kb, case.block_tables, out)()
     torch.cuda.synchronize()
-    want = torch.from_numpy(expected_checksums(case, pattern, case.block_tables)).ravel()
+    want = torch.from_numpy(expected_checksums(case, pattern, case.block_tables))
     assert torch.equal(out.cpu(), want), f"{pattern}: the CTAs' checksums are not those of the bytes they must read"

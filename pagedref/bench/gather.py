@@ -25,19 +25,14 @@ import numpy as np
 import torch
 
 from pagedref.bench.kernel import NUM_KV_HEADS, DecodeCase, copy_bandwidth, time_rounds
-
-PARTITION_SIZE = 1024  # tokens a CTA reads (kv_read.cu's PARTITION_SIZE: v3's partition)
+from pagedref.kernels.kv_read import MAX_SHARED_KB, PARTITION_SIZE
 
 
 def read_fn(case: DecodeCase, pattern: str, shared_kb: int, block_tables: torch.Tensor, out: torch.Tensor):
     """A launch of kv_read over `case`'s pool, as `pattern` reads it, with `shared_kb` KB reserved per CTA."""
-    from pagedref.kernels import build
-    from pagedref.kernels.launch import _launch, _ptr
+    from pagedref.kernels.kv_read import kv_read
 
-    grid = (NUM_KV_HEADS, case.context // PARTITION_SIZE, case.batch)
-    args = (_ptr(case.k_cache), _ptr(case.v_cache), _ptr(block_tables), np.int32(block_tables.shape[1]), _ptr(out))
-    config = build.kv_read_config(pattern)
-    return lambda: _launch(config, "kv_read", case.k_cache.device, grid, args, shared_mem=shared_kb << 10)
+    return lambda: kv_read(case.k_cache, case.v_cache, block_tables, out, pattern, shared_kb)
 
 
 def expected_checksums(case: DecodeCase, pattern: str, block_tables: torch.Tensor) -> np.ndarray:
@@ -63,7 +58,7 @@ def bench(batch: int, context: int, patterns: list[str], shared_kbs: list[int], 
     interleaved rounds on one pool (bench.kernel.time_rounds)."""
     case = DecodeCase(batch, context)
     in_order = torch.arange(case.block_tables.numel(), dtype=torch.int32, device="cuda").view_as(case.block_tables)
-    out = torch.zeros(case.batch * (context // PARTITION_SIZE) * NUM_KV_HEADS, dtype=torch.int32, device="cuda")
+    out = torch.zeros(case.batch, context // PARTITION_SIZE, NUM_KV_HEADS, dtype=torch.int32, device="cuda")
     fns = {"decode (default)": [case.run]}
     for pattern in patterns:
         for kb in shared_kbs:
@@ -88,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.context % PARTITION_SIZE or args.context <= 0 or args.batch <= 0:
         ap.error(f"--context must be a positive multiple of {PARTITION_SIZE} and --batch positive")
-    if any(kb < 0 or kb > 56 for kb in args.shared_kb):
-        ap.error("--shared-kb takes 0 to 56 KB (4 CTAs of 128 threads an SM share 228 KB)")
+    if any(kb < 0 or kb > MAX_SHARED_KB for kb in args.shared_kb):
+        ap.error(f"--shared-kb takes 0 to {MAX_SHARED_KB} KB (4 CTAs of 128 threads an SM share 228 KB)")
     if not torch.cuda.is_available():
         print("the gather benchmark needs a CUDA GPU", file=sys.stderr)
         return 1

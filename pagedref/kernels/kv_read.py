@@ -1,0 +1,52 @@
+"""The launcher of `cuda/kv_read.cu`: a kernel that only reads the paged K/V pool (`bench gather`'s roofline).
+
+One idea: decode attention streams K/V, so the speed at which the GPU reads the pool in the decode kernel's own
+access pattern, with its occupancy and grid and nothing computed, is its ceiling; `kv_read` is that read, in v3's
+per-lane pattern ("v3 lanes"), in whole 256-byte rows, or in whole blocks (every KV head), with shared memory
+reserved per CTA and never touched (what a kernel's shared memory costs the stream).
+
+Invariant: a launch reads each K/V byte of its sequences once, partition by partition (a CTA per KV head and
+1024-token partition), and xors each CTA's checksum of the 32-bit words it read into out[seq, partition, kv_head]
+(tests/test_bench_gather_gpu.py checks them against the bytes each pattern names). Scope: v3's measured layout,
+16-bit K/V at head_dim 128 in 16-token blocks, 8 KV heads for whole blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedref.kernels import build, launch
+
+PARTITION_SIZE = 1024  # tokens a CTA reads: v3's partition (kv_read.cu's PARTITION_SIZE)
+MAX_SHARED_KB = 56  # 4 CTAs of 128 threads an SM share 228 KB
+
+
+def kv_read(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor,
+            pattern: str = "v3 lanes", shared_kb: int = 0) -> None:
+    """Read every K/V byte of the sequences of `block_tables` [num_seqs, blocks] (each sequence blocks * 16
+    tokens, a multiple of PARTITION_SIZE) from k/v_cache [num_blocks, 16, num_kv_heads, 128] as `pattern` does,
+    each CTA reserving `shared_kb` KB of shared memory; out [num_seqs, partitions, num_kv_heads] int32 gets each
+    CTA's checksum xor'ed into it."""
+    if pattern not in build.KV_READ_PATTERNS:
+        raise ValueError(f"unknown pattern {pattern!r}: choose from {list(build.KV_READ_PATTERNS)}")
+    if not 0 <= shared_kb <= MAX_SHARED_KB:
+        raise ValueError(f"shared_kb takes 0 to {MAX_SHARED_KB} KB, got {shared_kb}")
+    num_seqs, blocks = block_tables.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if (block_size, head_dim, k_cache.element_size()) != (16, 128, 2) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"kv_read reads 16-bit K/V of 16-token blocks at head_dim 128, got {tuple(k_cache.shape)} "
+                         f"{k_cache.dtype}")
+    if pattern == "whole blocks" and num_kv_heads != 8:
+        raise ValueError(f"whole blocks are read a quarter-block a step: 8 KV heads, got {num_kv_heads}")
+    if blocks * block_size % PARTITION_SIZE or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32 and hold whole {PARTITION_SIZE}-token partitions")
+    parts = blocks * block_size // PARTITION_SIZE
+    if out.shape != (num_seqs, parts, num_kv_heads) or out.dtype != torch.int32:
+        raise ValueError(f"out must be int32 [{num_seqs}, {parts}, {num_kv_heads}], got {tuple(out.shape)} {out.dtype}")
+    for t, name in ((k_cache, "k_cache"), (v_cache, "v_cache"), (block_tables, "block_tables"), (out, "out")):
+        if not t.is_cuda or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous CUDA tensor")
+    args = (launch._ptr(k_cache), launch._ptr(v_cache), launch._ptr(block_tables), np.int32(blocks), launch._ptr(out))
+    launch._launch(build.kv_read_config(pattern), "kv_read", k_cache.device, (num_kv_heads, parts, num_seqs), args,
+                   shared_mem=shared_kb << 10)
