@@ -428,9 +428,9 @@ def test_the_read_roofline_kernel_is_compiled_by_ci_and_the_gather_bench_refuses
     k = torch.zeros(8, 16, 8, 128, dtype=torch.bfloat16)
     tables, out = torch.zeros(1, 64, dtype=torch.int32), torch.zeros(1, 1, 8, dtype=torch.int32)
     for kw, msg in ((dict(pattern="rows"), "unknown pattern"), (dict(shared_kb=64), "shared_kb"),
-                    (dict(k_cache=k[..., :64], v_cache=k[..., :64]), "head_dim 128"),
-                    (dict(block_tables=tables[:, :32]), "whole 1024-token partitions"),
-                    (dict(out=out[:, :, :4]), "out must be"), ({}, "CUDA tensor")):
+                    (dict(k_cache=k[..., :64].contiguous(), v_cache=k[..., :64].contiguous()), "head_dim 128"),
+                    (dict(block_tables=tables[:, :32].contiguous()), "whole 1024-token partitions"),
+                    (dict(out=out[:, :, :4].contiguous()), "out must be"), ({}, "CUDA tensor")):
         args = dict(k_cache=k, v_cache=k, block_tables=tables, out=out) | kw
         with pytest.raises(ValueError, match=msg):
             kv_read(**args)

@@ -5,8 +5,8 @@ in the kernel's own access pattern, with the kernel's own occupancy, and nothing
 exactly that (a checksum of the bytes, no arithmetic): v3's per-lane loads, whole rows, or whole blocks, each with
 a reservation of shared memory per CTA that the kernel never touches. Beside it, in the same run and on the same
 pool, the default decode kernel: its share of its own pattern's roofline is what a better schedule could still
-win. Invariant: every pattern reads every K/V byte of the batch once (the checksums say which bytes:
-tests/test_bench_gather_gpu.py).
+win. Invariant: every pattern reads every K/V byte of the batch once (pagedref.kernels.kv_read; its checksums say
+which bytes: tests/test_bench_gather_gpu.py).
 
 What it showed on an H200 (2026-12-04, docs/benchmarks.md): the pool's 256-byte rows in random blocks read at
 ~4.4-4.5 TB/s in v3's pattern, ~1% more in whole rows, ~1% more again with the blocks in order; and shared memory
@@ -21,36 +21,15 @@ import datetime
 import json
 import sys
 
-import numpy as np
 import torch
 
 from pagedref.bench.kernel import NUM_KV_HEADS, DecodeCase, copy_bandwidth, time_rounds
-from pagedref.kernels.kv_read import MAX_SHARED_KB, PARTITION_SIZE
+from pagedref.kernels.kv_read import MAX_SHARED_KB, PARTITION_SIZE, kv_read
 
 
 def read_fn(case: DecodeCase, pattern: str, shared_kb: int, block_tables: torch.Tensor, out: torch.Tensor):
     """A launch of kv_read over `case`'s pool, as `pattern` reads it, with `shared_kb` KB reserved per CTA."""
-    from pagedref.kernels.kv_read import kv_read
-
     return lambda: kv_read(case.k_cache, case.v_cache, block_tables, out, pattern, shared_kb)
-
-
-def expected_checksums(case: DecodeCase, pattern: str, block_tables: torch.Tensor) -> np.ndarray:
-    """What each CTA's checksum must be: the xor of the 32-bit words of the bytes its pattern reads
-    [num_seqs, partitions, num_kv_heads] (numpy, for the test)."""
-    k = case.k_cache.view(torch.int32).cpu().numpy()  # [blocks, 16, heads, 64 words]
-    v = case.v_cache.view(torch.int32).cpu().numpy()
-    tables = block_tables.cpu().numpy()
-    steps = PARTITION_SIZE // 16
-    out = np.zeros((case.batch, case.context // PARTITION_SIZE, NUM_KV_HEADS), dtype=np.int32)
-    for s, p, h in np.ndindex(*out.shape):
-        blocks = tables[s, p * steps:(p + 1) * steps]
-        if pattern == "whole blocks":  # blocks h, h + heads, ... of the partition, every head
-            words = np.concatenate([k[blocks[h::NUM_KV_HEADS]].ravel(), v[blocks[h::NUM_KV_HEADS]].ravel()])
-        else:  # kv head h of every block of the partition
-            words = np.concatenate([k[blocks, :, h].ravel(), v[blocks, :, h].ravel()])
-        out[s, p, h] = np.bitwise_xor.reduce(words)
-    return out
 
 
 def bench(batch: int, context: int, patterns: list[str], shared_kbs: list[int], reps: int) -> dict:

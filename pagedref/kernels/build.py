@@ -372,7 +372,8 @@ KV_READ_PATTERNS = {"v3 lanes": 0, "whole rows": 1, "whole blocks": 2}  # cuda/k
 
 
 def kv_read_config(pattern: str) -> KernelConfig:
-    return KernelConfig("kv_read.cu", (("HEAD_DIM", 128), ("BLOCK_SIZE", 16), ("PATTERN", KV_READ_PATTERNS[pattern])))
+    return KernelConfig("kv_read.cu", (("HEAD_DIM", 128), ("BLOCK_SIZE", 16), ("PARTITION_SIZE", MMA_PARTITION_SIZE),
+                                       ("PATTERN", KV_READ_PATTERNS[pattern])))
 
 
 def ci_configs() -> list[KernelConfig]:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedref.kernels import build, launch
+from pagedref.kernels import build, launch, validate
+from pagedref.kernels.splitk import MMA_PARTITION_SIZE
 
-PARTITION_SIZE = 1024  # tokens a CTA reads: v3's partition (kv_read.cu's PARTITION_SIZE)
+PARTITION_SIZE = MMA_PARTITION_SIZE  # tokens a CTA reads: v3's partition (build.kv_read_config passes it)
 MAX_SHARED_KB = 56  # 4 CTAs of 128 threads an SM share 228 KB
 
 
@@ -32,21 +33,22 @@ def kv_read(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Te
         raise ValueError(f"unknown pattern {pattern!r}: choose from {list(build.KV_READ_PATTERNS)}")
     if not 0 <= shared_kb <= MAX_SHARED_KB:
         raise ValueError(f"shared_kb takes 0 to {MAX_SHARED_KB} KB, got {shared_kb}")
+    validate.check_cache(k_cache, v_cache)
+    validate.check_tensor(block_tables, "block_tables", "[num_seqs, blocks]", 2, (torch.int32,), k_cache.device)
     num_seqs, blocks = block_tables.shape
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    if (block_size, head_dim, k_cache.element_size()) != (16, 128, 2) or v_cache.shape != k_cache.shape:
+    if (block_size, head_dim, k_cache.element_size()) != (16, 128, 2):
         raise ValueError(f"kv_read reads 16-bit K/V of 16-token blocks at head_dim 128, got {tuple(k_cache.shape)} "
                          f"{k_cache.dtype}")
     if pattern == "whole blocks" and num_kv_heads != 8:
         raise ValueError(f"whole blocks are read a quarter-block a step: 8 KV heads, got {num_kv_heads}")
-    if blocks * block_size % PARTITION_SIZE or block_tables.dtype != torch.int32:
-        raise ValueError(f"block_tables must be int32 and hold whole {PARTITION_SIZE}-token partitions")
+    if blocks * block_size % PARTITION_SIZE:
+        raise ValueError(f"block_tables must hold whole {PARTITION_SIZE}-token partitions, got {blocks} blocks")
     parts = blocks * block_size // PARTITION_SIZE
-    if out.shape != (num_seqs, parts, num_kv_heads) or out.dtype != torch.int32:
-        raise ValueError(f"out must be int32 [{num_seqs}, {parts}, {num_kv_heads}], got {tuple(out.shape)} {out.dtype}")
-    for t, name in ((k_cache, "k_cache"), (v_cache, "v_cache"), (block_tables, "block_tables"), (out, "out")):
-        if not t.is_cuda or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous CUDA tensor")
+    validate.check_tensor(out, "out", "[num_seqs, partitions, num_kv_heads]", 3, (torch.int32,), k_cache.device)
+    if out.shape != (num_seqs, parts, num_kv_heads):
+        raise ValueError(f"out must be [{num_seqs}, {parts}, {num_kv_heads}], got {tuple(out.shape)}")
+    validate.require_cuda(k_cache, "k_cache")
     args = (launch._ptr(k_cache), launch._ptr(v_cache), launch._ptr(block_tables), np.int32(blocks), launch._ptr(out))
     launch._launch(build.kv_read_config(pattern), "kv_read", k_cache.device, (num_kv_heads, parts, num_seqs), args,
                    shared_mem=shared_kb << 10)
