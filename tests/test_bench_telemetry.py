@@ -62,13 +62,14 @@ def test_the_sampler_runs_nvidia_smi_on_the_device_and_parses_what_it_printed(tm
 
 
 class FakeNvml:
-    """pynvml's calls the sampler makes, on a counter that gains 350 J between its two reads."""
+    """pynvml's calls the sampler makes, on a counter that steps as NVML's does (every ~0.1 s on an H200): it reads
+    10,000 J until a step to 10,070 J just after the window opens, then 10,420 J at the step after the work."""
 
     class NVMLError(Exception):
         pass
 
-    def __init__(self):
-        self.reads, self.handles = [10_000_000, 10_350_000], []
+    def __init__(self, reads=(10_000_000, 10_000_000, 10_070_000, 10_070_000, 10_070_000, 10_420_000)):
+        self.reads, self.handles = list(reads), []
 
     def nvmlInit(self):
         pass
@@ -78,26 +79,51 @@ class FakeNvml:
         return uuid
 
     def nvmlDeviceGetTotalEnergyConsumption(self, handle):
-        return self.reads.pop(0)
+        return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="a shell script stands in for nvidia-smi")
-def test_the_window_energy_is_nvmls_counter_difference(tmp_path, monkeypatch):
+def fake_nvidia_smi(tmp_path, monkeypatch):
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\nprintf '1400, 690.0, 0x4\\n'\nexec sleep 30\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a shell script stands in for nvidia-smi")
+def test_the_window_energy_is_counted_between_two_steps_of_nvmls_counter(tmp_path, monkeypatch):
+    fake_nvidia_smi(tmp_path, monkeypatch)
     nvml = FakeNvml()
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr(telemetry, "MIN_ENERGY_WINDOW_S", 0.0)
     with telemetry.GpuSampler("GPU-1234") as s:
         pass
-    assert s.result.energy_j == pytest.approx(350.0), "millijoules from NVML, joules in the result"
-    assert s.result.window_s > 0 and nvml.handles == ["GPU-1234", "GPU-1234"]
+    assert s.result.energy_j == pytest.approx(350.0), (
+        "the energy runs from the counter's step after the window opens (10,070 J) to its step after the work "
+        "(10,420 J), in joules: not from a read between two steps")
+    assert s.result.window_s > 0 and nvml.handles == ["GPU-1234", "GPU-1234"] and nvml.reads == [10_420_000]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a shell script stands in for nvidia-smi")
+def test_a_window_shorter_than_the_counters_resolution_reports_no_energy(tmp_path, monkeypatch):
+    fake_nvidia_smi(tmp_path, monkeypatch)
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
+    with telemetry.GpuSampler("GPU-1234") as s:
+        pass  # far shorter than MIN_ENERGY_WINDOW_S
+    assert s.result is not None and s.result.samples >= 1, "the clock and power samples are still reported"
+    assert s.result.energy_j is None, "NVML's counter steps every ~0.1 s: a short window's energy would be a guess"
+
+
+def test_a_counter_that_does_not_step_is_waited_for_only_so_long(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(reads=(5_000,)))
+    monkeypatch.setattr(telemetry, "COUNTER_STEP_WAIT_S", 0.02)
+    value, _ = telemetry._counter_step("GPU-1")
+    assert value == 5_000
 
 
 def test_without_nvml_the_energy_is_unknown(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
     assert telemetry._energy_mj("GPU-1") is None
+    assert telemetry._counter_step("GPU-1")[0] is None
 
 
 def test_sustained_settles_then_times_the_sampled_rounds():

@@ -8,6 +8,9 @@ benchmark window is sampled by `nvidia-smi` (every `interval_ms`, in a process b
 beside the engine's loop) and reports its SM clock, power draw and the share of samples with a power or
 thermal slowdown reason active; and, where NVML's Python binding is installed (nvidia-ml-py, the cuda
 extras), the energy the GPU used over the window, from its own counter (nvmlDeviceGetTotalEnergyConsumption).
+That counter advances in steps (every ~100 ms on an H200: ~70 J at 700 W), so the window is counted from one
+step of it to the first step after the work, and a window shorter than MIN_ENERGY_WINDOW_S reports no energy:
+two reads around 20 decode steps (170 ms) once said 326 W where the GPU drew 680.
 
 Invariant: sampling never changes the device's settings (nvidia-smi and NVML only query); with no
 nvidia-smi, or no sample in the window, the result is None and the benchmark's own numbers are unchanged.
@@ -27,6 +30,8 @@ QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
 # SW thermal slowdown, HW thermal slowdown, HW power brake (nvml.h, nvmlClocksEventReason*).
 SLOWDOWN_REASONS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 POWER_CAP = 0x4
+MIN_ENERGY_WINDOW_S = 1.0  # shorter windows get no energy: NVML's counter steps every ~0.1 s
+COUNTER_STEP_WAIT_S = 0.5  # at most this long for the energy counter's next step
 
 
 @dataclass
@@ -38,8 +43,10 @@ class Telemetry:
     power_max_w: float
     slowed_share: float  # samples with a slowdown reason (SLOWDOWN_REASONS) active
     power_capped_share: float  # samples with the software power cap active
-    energy_j: float | None = None  # the GPU's energy over the window (NVML's counter; None: no nvidia-ml-py)
-    window_s: float | None = None  # the window's length (energy_j / window_s: its mean power)
+    energy_j: float | None = None  # the GPU's energy over the window (NVML's counter; None: no nvidia-ml-py, or
+    # a window shorter than MIN_ENERGY_WINDOW_S)
+    window_s: float | None = None  # the energy's window: from a step of the counter to its first step after the
+    # work (energy_j / window_s: its mean power; it ends at most one counter step after the work)
 
 
 def parse(text: str) -> Telemetry | None:
@@ -82,8 +89,7 @@ class GpuSampler:
             self._proc = subprocess.Popen([exe, "-i", self.uuid, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
                                            f"-lms={self.interval_ms}"], stdout=self._out, stderr=subprocess.DEVNULL)
             self._first_sample()
-            self._energy0 = _energy_mj(self.uuid)
-            self._t0 = time.perf_counter()
+            self._energy0, self._t0 = _counter_step(self.uuid)
         return self
 
     def _first_sample(self, timeout_s: float = 3.0) -> None:
@@ -98,8 +104,9 @@ class GpuSampler:
     def __exit__(self, *exc) -> None:
         if self._proc is None:
             return
-        energy = _energy_mj(self.uuid)
-        window = time.perf_counter() - self._t0
+        work = time.perf_counter() - self._t0
+        energy, t1 = _counter_step(self.uuid) if self._energy0 is not None else (None, time.perf_counter())
+        window = t1 - self._t0
         self._proc.terminate()
         try:
             self._proc.wait(timeout=5)
@@ -111,22 +118,44 @@ class GpuSampler:
         self._out.close()
         if self.result is not None:
             self.result.window_s = window
-            if energy is not None and self._energy0 is not None:
+            if energy is not None and self._energy0 is not None and work >= MIN_ENERGY_WINDOW_S:
                 self.result.energy_j = (energy - self._energy0) / 1e3
 
 
-def _energy_mj(uuid: str) -> int | None:
-    """GPU `uuid`'s ("GPU-...") energy counter in millijoules since the driver loaded (NVML), or None without
-    nvidia-ml-py."""
+def _energy_reader(uuid: str):
+    """() -> GPU `uuid`'s ("GPU-...") energy counter in millijoules since the driver loaded (NVML), or None without
+    nvidia-ml-py or where NVML cannot read it."""
     try:
         import pynvml
     except ImportError:
         return None
     try:
         pynvml.nvmlInit()
-        return int(pynvml.nvmlDeviceGetTotalEnergyConsumption(pynvml.nvmlDeviceGetHandleByUUID(uuid)))
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
     except pynvml.NVMLError:
         return None
+    return lambda: int(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+
+
+def _energy_mj(uuid: str) -> int | None:
+    """The counter's value now (None: no NVML)."""
+    read = _energy_reader(uuid)
+    return read() if read else None
+
+
+def _counter_step(uuid: str) -> tuple[int | None, float]:
+    """(the energy counter's value, the time) just after its next step (or after COUNTER_STEP_WAIT_S without
+    one; None at once without NVML): a window counted between two steps has the counter's resolution at neither end."""
+    read = _energy_reader(uuid)
+    if read is None:
+        return None, time.perf_counter()
+    first, deadline = read(), time.perf_counter() + COUNTER_STEP_WAIT_S
+    while True:
+        now, t = read(), time.perf_counter()
+        if now != first or t > deadline:
+            return now, t
+        time.sleep(0.001)
 
 
 def device_uuid(device) -> str | None:
