@@ -127,7 +127,7 @@ def test_main_writes_the_document_and_prints_both_engines(tiny_dir, tmp_path, ca
 
 def test_the_report_gives_the_steps_clock_and_power_where_they_were_sampled(capsys):
     tele = {"samples": 9, "sm_clock_mhz": 1512.0, "sm_clock_min_mhz": 1380.0, "power_w": 655.0, "power_max_w": 699.0,
-            "slowed_share": 0.8, "power_capped_share": 0.75, "energy_j": 126.0, "window_s": 0.18, "energy_per_step_j": 126.0 / 20}
+            "slowed_share": 0.8, "power_capped_share": 0.75, "energy_j": 1260.0, "window_s": 1.8, "energy_per_step_j": 1260.0 / 200}
     r = profile.ProfileResult("paged", 256, 214.0, 9.1, {p: 0.0 for p in PHASES}, None, 1, 1.0, 1.0, telemetry=tele)
     doc = {"environment": {"device": "cuda", "gpu": "NVIDIA H200", "torch": "2.11", "date": "today"}, "copy_bandwidth": None,
            "shape": "llama-3.1-8b", "num_requests": 256, "prompt_len": 160, "num_kv_blocks": 4096,
@@ -136,6 +136,11 @@ def test_the_report_gives_the_steps_clock_and_power_where_they_were_sampled(caps
     out = capsys.readouterr().out
     assert "SM clock 1512 MHz (min 1380), power 655 W (max 699), power-capped in 75% of 9 samples" in out
     assert "6.30 J a step, 700 W mean (NVML)" in out, "the window's energy over its steps, and over its length"
+    doc["results"][0]["telemetry"] = tele | {"query": profile.telemetry.FALLBACK_QUERY, "energy_per_step_j": None}
+    profile.print_report(doc)
+    out = capsys.readouterr().out
+    assert "power 655 W (max 699; 1-s averages)" in out and "J a step" not in out, (
+        "a driver without instant power says its power is averaged; a short window has no energy")
 
 
 

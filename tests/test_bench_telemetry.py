@@ -61,6 +61,22 @@ def test_the_sampler_runs_nvidia_smi_on_the_device_and_parses_what_it_printed(tm
     assert f"--query-gpu={telemetry.QUERY}" in args and "-lms=50" in args
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="a shell script stands in for nvidia-smi")
+def test_a_driver_without_instant_power_gets_the_averaged_draw(tmp_path, monkeypatch):
+    # nvidia-smi before the 530 drivers: an unknown field is an error message and exit code 2
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\ncase \"$*\" in *power.draw.instant*) "
+                    "echo 'Field \"power.draw.instant\" is not a valid field to query.'; exit 2;; esac\n"
+                    "printf '1400, 690.0, 0x4\\n'\nexec sleep 30\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with telemetry.GpuSampler("GPU-1234") as s:
+        pass
+    assert s.result is not None and s.result.samples == 1 and s.result.power_w == 690.0
+    assert s.result.query == telemetry.FALLBACK_QUERY, "the one-second average, named as such"
+    assert "power.draw.instant" in telemetry.QUERY, "where the driver has it, the instant draw"
+
+
 class FakeNvml:
     """pynvml's calls the sampler makes, on a counter that steps as NVML's does (every ~0.1 s on an H200): it reads
     10,000 J until a step to 10,070 J just after the window opens, then 10,420 J at the step after the work."""

@@ -287,7 +287,8 @@ def print_report(doc: dict[str, Any]) -> None:
         t = r.get("telemetry")
         if t:
             print(f"{r['kv_cache']}, weight_gemm {r.get('weight_gemm', 'torch')}: SM clock {t['sm_clock_mhz']:.0f} MHz "
-                  f"(min {t['sm_clock_min_mhz']:.0f}), power {t['power_w']:.0f} W (max {t['power_max_w']:.0f}), "
+                  f"(min {t['sm_clock_min_mhz']:.0f}), power {t['power_w']:.0f} W (max {t['power_max_w']:.0f}"
+                  f"{'; 1-s averages' if t.get('query') == telemetry.FALLBACK_QUERY else ''}), "
                   f"power-capped in {t['power_capped_share']:.0%} of {t['samples']} samples (nvidia-smi)"
                   + (f"; {t['energy_per_step_j']:.2f} J a step, {t['energy_j'] / t['window_s']:.0f} W mean (NVML)"
                      if t.get("energy_per_step_j") else ""))

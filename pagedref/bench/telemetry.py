@@ -25,7 +25,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
+# The power is the instant draw: `power.draw` is a one-second average on Ampere and later (it read 505 W over 1.5 s
+# of matmuls at 682 W, and 99 W over 0.2 s of them, on an H200), longer than the windows sampled here. Drivers
+# without `power.draw.instant` (it came with the 530 series) get the average (FALLBACK_QUERY).
+QUERY = "clocks.sm,power.draw.instant,clocks_event_reasons.active"
+FALLBACK_QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
 # NVML's clock event reasons that mean a slowdown below the application clock: SW power cap, HW slowdown,
 # SW thermal slowdown, HW thermal slowdown, HW power brake (nvml.h, nvmlClocksEventReason*).
 SLOWDOWN_REASONS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
@@ -39,7 +43,7 @@ class Telemetry:
     samples: int
     sm_clock_mhz: float  # mean over the samples
     sm_clock_min_mhz: float
-    power_w: float  # mean draw (nvidia-smi's, itself averaged by the driver)
+    power_w: float  # mean draw over the samples (each the instant draw, or a 1-s average: `query`)
     power_max_w: float
     slowed_share: float  # samples with a slowdown reason (SLOWDOWN_REASONS) active
     power_capped_share: float  # samples with the software power cap active
@@ -47,6 +51,7 @@ class Telemetry:
     # a window shorter than MIN_ENERGY_WINDOW_S)
     window_s: float | None = None  # the energy's window: from a step of the counter to its first step after the
     # work (energy_j / window_s: its mean power; it ends at most one counter step after the work)
+    query: str = QUERY  # the nvidia-smi fields sampled (FALLBACK_QUERY: this driver has no instant power)
 
 
 def parse(text: str) -> Telemetry | None:
@@ -80,26 +85,39 @@ class GpuSampler:
         self.interval_ms = interval_ms
         self.result: Telemetry | None = None
         self._proc = self._out = self._energy0 = None
+        self._query = QUERY
         self._t0 = 0.0
 
     def __enter__(self) -> "GpuSampler":
         exe = shutil.which("nvidia-smi")
         if exe and self.uuid:
-            self._out = tempfile.TemporaryFile(mode="w+")
-            self._proc = subprocess.Popen([exe, "-i", self.uuid, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
-                                           f"-lms={self.interval_ms}"], stdout=self._out, stderr=subprocess.DEVNULL)
-            self._first_sample()
+            for self._query in (QUERY, FALLBACK_QUERY):
+                self._out = tempfile.TemporaryFile(mode="w+")
+                self._proc = subprocess.Popen([exe, "-i", self.uuid, f"--query-gpu={self._query}",
+                                               "--format=csv,noheader,nounits", f"-lms={self.interval_ms}"],
+                                              stdout=self._out, stderr=subprocess.DEVNULL)
+                if self._first_sample() or self._query == FALLBACK_QUERY:
+                    break
+                self._proc.wait()  # it quit: a field this driver does not know
+                self._out.close()
             self._energy0, self._t0 = _counter_step(self.uuid)
         return self
 
-    def _first_sample(self, timeout_s: float = 3.0) -> None:
-        """Wait until the first sample is written (NVML's start takes ~0.1 s), so the window is sampled from its start."""
+    def _first_sample(self, timeout_s: float = 3.0) -> bool:
+        """Wait until the first sample is written (NVML's start takes ~0.1 s), so the window is sampled from its start;
+        False where nvidia-smi printed no sample but an error, or quit (a field this driver does not know)."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self._proc.poll() is None:
+        while time.monotonic() < deadline:
             self._out.flush()
             if os.fstat(self._out.fileno()).st_size > 0:
-                return
+                self._out.seek(0)
+                printed = self._out.read()
+                self._out.seek(0, os.SEEK_END)
+                return parse(printed) is not None  # a sample, or an error message
+            if self._proc.poll() is not None:
+                return False
             time.sleep(0.01)
+        return self._proc.poll() is None  # still running: its samples come later
 
     def __exit__(self, *exc) -> None:
         if self._proc is None:
@@ -117,7 +135,7 @@ class GpuSampler:
         self.result = parse(self._out.read())
         self._out.close()
         if self.result is not None:
-            self.result.window_s = window
+            self.result.window_s, self.result.query = window, self._query
             if energy is not None and self._energy0 is not None and work >= MIN_ENERGY_WINDOW_S:
                 self.result.energy_j = (energy - self._energy0) / 1e3
 
