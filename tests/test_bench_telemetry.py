@@ -77,6 +77,18 @@ def test_a_driver_without_instant_power_gets_the_averaged_draw(tmp_path, monkeyp
     assert "power.draw.instant" in telemetry.QUERY, "where the driver has it, the instant draw"
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="a shell script stands in for nvidia-smi")
+def test_a_first_sample_caught_half_written_is_waited_for(tmp_path, monkeypatch):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nprintf '1400, 69'\nsleep 0.2\nprintf '0.0, 0x4\\n'\nexec sleep 30\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with telemetry.GpuSampler("GPU-1234") as s:
+        pass
+    assert s.result is not None and s.result.power_w == 690.0
+    assert s.result.query == telemetry.QUERY, "a line still being written is no reason to give up the instant power"
+
+
 class FakeNvml:
     """pynvml's calls the sampler makes, on a counter that steps as NVML's does (every ~0.1 s on an H200): it reads
     10,000 J until a step to 10,070 J just after the window opens, then 10,420 J at the step after the work."""

@@ -98,7 +98,8 @@ class GpuSampler:
                                               stdout=self._out, stderr=subprocess.DEVNULL)
                 if self._first_sample() or self._query == FALLBACK_QUERY:
                     break
-                self._proc.wait()  # it quit: a field this driver does not know
+                self._proc.kill()  # an error (a field this driver does not know): it quits, or is stopped
+                self._proc.wait()
                 self._out.close()
             self._energy0, self._t0 = _counter_step(self.uuid)
         return self
@@ -113,7 +114,10 @@ class GpuSampler:
                 self._out.seek(0)
                 printed = self._out.read()
                 self._out.seek(0, os.SEEK_END)
-                return parse(printed) is not None  # a sample, or an error message
+                if parse(printed) is not None:
+                    return True
+                if "\n" in printed:  # a whole line that is no sample: an error message
+                    return False
             if self._proc.poll() is not None:
                 return False
             time.sleep(0.01)
