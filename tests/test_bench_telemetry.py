@@ -17,6 +17,14 @@ LINES = """1980, 368.88, 0x0000000000000000
 """
 
 
+def fake_nvidia_smi(tmp_path, monkeypatch, body: str = "printf '1400, 690.0, 0x4\\n'\nexec sleep 30\n"):
+    """An `nvidia-smi` on PATH that runs this shell script."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\n" + body)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+
 def test_samples_give_the_window_mean_min_and_capped_share():
     t = telemetry.parse(LINES)
     assert t.samples == 4
@@ -47,12 +55,9 @@ def test_without_a_gpu_the_sampler_reports_nothing():
 
 @pytest.mark.skipif(sys.platform == "win32", reason="a shell script stands in for nvidia-smi")
 def test_the_sampler_runs_nvidia_smi_on_the_device_and_parses_what_it_printed(tmp_path, monkeypatch):
-    fake = tmp_path / "nvidia-smi"
     args_file = tmp_path / "args"
-    fake.write_text(f"#!/bin/sh\necho \"$@\" > {args_file}\nprintf '{LINES.replace(chr(10), chr(92) + 'n')}'\n"
-                    "exec sleep 30\n")
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    printed = LINES.replace(chr(10), chr(92) + "n")
+    fake_nvidia_smi(tmp_path, monkeypatch, f"echo \"$@\" > {args_file}\nprintf '{printed}'\nexec sleep 30\n")
     with telemetry.GpuSampler("1234-abcd", interval_ms=50) as s:
         pass
     assert s.result is not None and s.result.samples == 4
@@ -64,12 +69,9 @@ def test_the_sampler_runs_nvidia_smi_on_the_device_and_parses_what_it_printed(tm
 @pytest.mark.skipif(sys.platform == "win32", reason="a shell script stands in for nvidia-smi")
 def test_a_driver_without_instant_power_gets_the_averaged_draw(tmp_path, monkeypatch):
     # nvidia-smi before the 530 drivers: an unknown field is an error message and exit code 2
-    fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\ncase \"$*\" in *power.draw.instant*) "
+    fake_nvidia_smi(tmp_path, monkeypatch, "case \"$*\" in *power.draw.instant*) "
                     "echo 'Field \"power.draw.instant\" is not a valid field to query.'; exit 2;; esac\n"
                     "printf '1400, 690.0, 0x4\\n'\nexec sleep 30\n")
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     with telemetry.GpuSampler("GPU-1234") as s:
         pass
     assert s.result is not None and s.result.samples == 1 and s.result.power_w == 690.0
@@ -79,10 +81,7 @@ def test_a_driver_without_instant_power_gets_the_averaged_draw(tmp_path, monkeyp
 
 @pytest.mark.skipif(sys.platform == "win32", reason="a shell script stands in for nvidia-smi")
 def test_a_first_sample_caught_half_written_is_waited_for(tmp_path, monkeypatch):
-    fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\nprintf '1400, 69'\nsleep 0.2\nprintf '0.0, 0x4\\n'\nexec sleep 30\n")
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    fake_nvidia_smi(tmp_path, monkeypatch, "printf '1400, 69'\nsleep 0.2\nprintf '0.0, 0x4\\n'\nexec sleep 30\n")
     with telemetry.GpuSampler("GPU-1234") as s:
         pass
     assert s.result is not None and s.result.power_w == 690.0
@@ -108,13 +107,6 @@ class FakeNvml:
 
     def nvmlDeviceGetTotalEnergyConsumption(self, handle):
         return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
-
-
-def fake_nvidia_smi(tmp_path, monkeypatch):
-    fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\nprintf '1400, 690.0, 0x4\\n'\nexec sleep 30\n")
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="a shell script stands in for nvidia-smi")
@@ -150,7 +142,7 @@ def test_a_counter_that_does_not_step_is_waited_for_only_so_long(monkeypatch):
 
 def test_without_nvml_the_energy_is_unknown(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
-    assert telemetry._energy_mj("GPU-1") is None
+    assert telemetry._energy_reader("GPU-1") is None
     assert telemetry._counter_step("GPU-1")[0] is None
 
 

@@ -139,9 +139,9 @@ def test_a_grid_of_at_most_one_cta_per_sm_takes_the_prefetch_build_and_nothing_e
     assert (p2048.partition_size, p2048.prefetch) == (2048, True)
     # A grid that small has one partition a CTA (span_schedule), so the launcher asks for it after span_build.
     compiled = set(build.ci_configs())
+    one = build.small_grid_schedule(build.span_build(build.MmaTuning(), 1), 128, 1, 132)
     for dtype in ("float16", "bfloat16"):
         for block_size in splitk.SUPPORTED_BLOCK_SIZES:
-            one = build.small_grid_schedule(build.span_build(build.MmaTuning(), 1), 128, 1, 132)
             assert build.mma_decode_config(dtype, 128, block_size, 4, one) in compiled
         for name, t in build.CANDIDATES.items():
             if t.version == 3:

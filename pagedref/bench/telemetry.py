@@ -127,7 +127,8 @@ class GpuSampler:
         if self._proc is None:
             return
         work = time.perf_counter() - self._t0
-        energy, t1 = _counter_step(self.uuid) if self._energy0 is not None else (None, time.perf_counter())
+        # the counter's next step only where the energy will be reported (no wait after a short window)
+        energy, t1 = _counter_step(self.uuid) if work >= MIN_ENERGY_WINDOW_S else (None, time.perf_counter())
         window = t1 - self._t0
         self._proc.terminate()
         try:
@@ -140,7 +141,7 @@ class GpuSampler:
         self._out.close()
         if self.result is not None:
             self.result.window_s, self.result.query = window, self._query
-            if energy is not None and self._energy0 is not None and work >= MIN_ENERGY_WINDOW_S:
+            if energy is not None and self._energy0 is not None:
                 self.result.energy_j = (energy - self._energy0) / 1e3
 
 
@@ -158,12 +159,6 @@ def _energy_reader(uuid: str):
     except pynvml.NVMLError:
         return None
     return lambda: int(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
-
-
-def _energy_mj(uuid: str) -> int | None:
-    """The counter's value now (None: no NVML)."""
-    read = _energy_reader(uuid)
-    return read() if read else None
 
 
 def _counter_step(uuid: str) -> tuple[int | None, float]:
