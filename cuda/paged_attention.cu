@@ -63,11 +63,14 @@
 //      flash-decoding's "last block reduces"), so no reduce launch follows; the same operations in
 //      the same order per output element as paged_attention_reduce, hence the same bits. Measured
 //      slower than the reduce launch in its first form (see merge_partitions).
-//   v3 with PDL=1 (a candidate, not the default): the reduce kernel is launched as v3's programmatic
-//      dependent (cuLaunchKernelEx, pagedref.kernels.driver): v3 lets it be scheduled early
-//      (griddepcontrol.launch_dependents) and the reduce waits for v3's end in the kernel
-//      (griddepcontrol.wait) before reading a partial: only its launch is hidden, so the same bits.
-//      Measured (H200, 2026-12-02): +0.5-0.7% at (64, 4096), -0.9-1.2% at (8, 32768), so not the default.
+//   v3 with PDL=1 (the default on sm_90; build.MmaTuning.pdl): the reduce kernel is launched as v3's programmatic
+//      dependent (cuLaunchKernelEx, pagedref.kernels.driver). Every v3 CTA lets it be scheduled once its slab loop
+//      is done (griddepcontrol.launch_dependents), so it launches when the grid's last CTAs are in their
+//      epilogues, and the reduce waits for v3's end in the kernel (griddepcontrol.wait) before it reads a
+//      partial: only its launch is hidden, so the same bits. Triggered at v3's start instead (2026-12-02) it
+//      moved (64, 4096) +0.5-0.7% and (8, 32768) -0.9-1.2%: the reduce's CTAs took the SM slots of v3 CTAs
+//      still waiting to start. After the loop (2026-12-04, A-B twice in one call): +0.2-0.3% at (8, 32768),
+//      +0.2% at (1, 131072), level where no reduce follows.
 //      Also measured that day and dropped: the partitions of a context merged inside a thread-block
 //      cluster through distributed shared memory (no partials in global memory, no reduce launch). It lost
 //      2% at (64, 4096) and 4% at (8, 32768) (clusters of 8 CTAs are placed as a unit, and that cost more
@@ -94,7 +97,7 @@
 // K/V loads skip L1 and prefetch whole 256-byte rows into L2), KV_EVICT_FIRST (0/1: v3's K/V loads
 // skip L1 and leave L2 first), KV_PREFETCH (0/1: v3 asks L2 for the
 // slab after next), MERGE_IN_KERNEL (0/1: v3's last partition CTA merges; v3 takes merge counters), PDL
-// (0/1: v3 triggers its dependent launch early and the reduce waits for v3 in the kernel; sm_90).
+// (0/1: v3 triggers its dependent launch after its slab loop and the reduce waits for v3 in the kernel; sm_90).
 #include "common.cuh"
 
 #ifndef HEADS_PER_CTA
@@ -565,7 +568,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
 #define MERGE_IN_KERNEL 0
 #endif
 #ifndef PDL
-#define PDL 0  // v3 lets the reduce launch early (programmatic dependent launch; the reduce waits for v3's end)
+#define PDL 0  // v3 lets the reduce launch before v3 ends (programmatic dependent launch; the reduce waits for v3's end)
 #endif
 #if DECODE_MMA
 static_assert(PR_DTYPE == 1 || PR_DTYPE == 2, "v3 (DECODE_MMA) needs 16-bit K/V: float16 or bfloat16");
@@ -991,11 +994,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
     q_s[h][c] = h < G ? load16(q + ((long long)s * num_heads + head0 + h) * HEAD_DIM + c * VEC) : make_uint4(0u, 0u, 0u, 0u);
   }
   const int num_parts = (ctx + PARTITION_SIZE - 1) / PARTITION_SIZE;
-#if PDL
-  // The reduce kernel may be scheduled from here on: it waits (griddepcontrol.wait) for this whole grid to
-  // finish and its writes to land before it reads a partial, so this only hides its launch.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
   if (start >= ctx) return;  // the whole CTA leaves together, before any barrier
   const int n = min(span * PARTITION_SIZE, ctx - start);  // tokens of the CTA's partitions
   const int num_slabs = (n + SLAB - 1) / SLAB;
@@ -1124,6 +1122,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
 #endif
     if (next < num_slabs) load_v_slab(vt, v_cache, rows, next * SLAB, grp, tig);
   }
+#if PDL
+  // The reduce kernel may be scheduled once every CTA has left its slab loop (or exited): its CTAs then take the
+  // slots of finishing v3 CTAs, never those of v3 CTAs still waiting to start. It waits (griddepcontrol.wait)
+  // for this whole grid to finish and its writes to land before it reads a partial.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 #if SPAN_SLOTS == 1
   save_partition(0);  // one partition: after the loop, as before spans (fewer registers); a warp with no slab saves its zeros
 #endif

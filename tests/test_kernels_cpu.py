@@ -93,10 +93,11 @@ def test_candidate_tunings_differ_only_in_scheduling_or_stated_arithmetic():
     assert all(t.partition_size % 32 == 0 for t in build.CANDIDATES.values())
 
 
-def test_pdl_is_a_compile_time_knob_of_v3_only_when_asked_for():
-    # Off, the default config is exactly what it was (the same module, the same binary); on, PDL=1.
-    assert "PDL" not in dict(build.mma_decode_config("bfloat16", 128, 16, 4).defines)
-    assert ("PDL", 1) in build.mma_decode_config("bfloat16", 128, 16, 4, build.MmaTuning(pdl=True)).defines
+def test_pdl_is_a_compile_time_knob_of_v3_on_by_default():
+    # The default launches the reduce as v3's programmatic dependent (PDL=1; the launcher drops it below sm_90);
+    # off, the config is exactly what it was before (the same module, the same binary).
+    assert ("PDL", 1) in build.mma_decode_config("bfloat16", 128, 16, 4).defines
+    assert "PDL" not in dict(build.mma_decode_config("bfloat16", 128, 16, 4, build.MmaTuning(pdl=False)).defines)
 
 
 def test_a_grid_that_fills_the_gpu_with_whole_contexts_takes_spans_that_hold_them():

@@ -202,8 +202,9 @@ def test_a_small_grid_prefetches_and_keeps_the_bits():
         assert T.same_bits(decode(T.permute_blocks(sub, seed=len(seqs)), tuning=off), rows)
 
 
-# The schedules of the merge, each the reduce kernel's bits: the last partition CTA merges (ticket counters),
-# or the reduce kernel is launched as v3's programmatic dependent (PDL: resident before v3 ends, it waits for it),
+# The schedules of the merge, each the bits of the reduce kernel launched after v3: the last partition CTA merges
+# (ticket counters), or the reduce kernel is launched as v3's programmatic dependent (PDL, the default: resident
+# under v3's last CTAs, it waits for v3),
 # or a CTA computes 2 or 4 of a sequence's partitions in turn and merges them itself when they are the whole
 # context (build.span_schedule; spans are capped to 1 where the config has no room: 8 heads a CTA, 8-token blocks).
 SCHEDULES = {"in kernel": dict(merge_in_kernel=True), "pdl": dict(pdl=True), "span 2": dict(span=2),
@@ -211,7 +212,7 @@ SCHEDULES = {"in kernel": dict(merge_in_kernel=True), "pdl": dict(pdl=True), "sp
 
 
 def merged(partition_size: int, schedule: str | None = None) -> build.MmaTuning:
-    return build.MmaTuning(partition_size=partition_size, **{"span": 1, **SCHEDULES.get(schedule, {})})
+    return build.MmaTuning(partition_size=partition_size, **{"span": 1, "pdl": False, **SCHEDULES.get(schedule, {})})
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))

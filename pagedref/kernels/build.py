@@ -79,7 +79,7 @@ class MmaTuning:
     evict_first: bool = False  # K/V loads skip L1 and are the first lines L2 evicts (not with load_hint)
     prefetch: bool = False  # each warp asks L2 for its slab after next (costs ~6 registers: take 3 CTAs per SM)
     merge_in_kernel: bool = False  # the last partition CTA to finish merges (no reduce launch); same bits
-    pdl: bool = False  # the reduce kernel launches while v3 runs and waits for it in-kernel (sm_90); same bits
+    pdl: bool = True  # the reduce kernel launches under v3's last CTAs and waits for it in-kernel (sm_90 only); same bits
     small_grid_prefetch: bool = True  # a grid of at most one CTA per SM runs small_grid_schedule's build; same bits
     span: int | None = None  # partitions per CTA, computed in turn (None: span_schedule's rule from the grid); same bits
     max_span: int = MAX_SPAN  # span slots compiled in (SPAN_SLOTS; 1: the build without spans); same bits
@@ -207,9 +207,7 @@ CANDIDATES: dict[str, DecodeTuning | MmaTuning] = {
     "v3 mma merge in kernel": MmaTuning(merge_in_kernel=True),
     "v3 mma p2048 merge in kernel": MmaTuning(partition_size=2048, merge_in_kernel=True),
     "v3 mma p4096 merge in kernel": MmaTuning(partition_size=4096, merge_in_kernel=True),
-    # the reduce launched as v3's programmatic dependent (PDL): it is resident while v3 ends, the same bits
-    "v3 mma pdl": MmaTuning(pdl=True),
-    "v3 mma p2048 pdl": MmaTuning(partition_size=2048, pdl=True),
+    "v3 mma no pdl": MmaTuning(pdl=False),  # the reduce launched after v3 ends (the default before 2026-12-04)
     # the default without small_grid_schedule's prefetch build at grids of at most one CTA per SM (the same bits)
     "v3 mma no small-grid prefetch": MmaTuning(small_grid_prefetch=False),
     # K/V lines first out of L2: the block numbers and the partials the reduce kernel reads back stay in it

@@ -61,13 +61,14 @@ def check_attention(head_dims: set[int] | None = None, only: str | list[str] | N
     dec = testing.make_problem([1, 1100, 17000], num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16)
     runs += [("decode v3 merge in kernel, p512, 34 partitions", dec,
               lambda p=dec: run_decode(p, version=3, tuning=merge))]
-    # The reduce kernel as v3's programmatic dependent: resident before v3 ends, it waits for v3 in the kernel.
-    pdl = MmaTuning(partition_size=512, pdl=True)
-    runs += [("decode v3 pdl, p512, 34 partitions", dec, lambda p=dec: run_decode(p, version=3, tuning=pdl))]
+    # The reduce kernel launched after v3 ends (the default launches it as v3's programmatic dependent: resident
+    # under v3's last CTAs, it waits for v3 in the kernel).
+    no_pdl = MmaTuning(partition_size=512, pdl=False)
+    runs += [("decode v3 no pdl, p512, 34 partitions", dec, lambda p=dec: run_decode(p, version=3, tuning=no_pdl))]
     # Spans: 2 or 4 partitions a CTA, merged in the CTA for a context of up to that many, partials and the
-    # reduce past it (full spans and a partial last one); with PDL the reduce is v3's programmatic dependent.
+    # reduce past it (full spans and a partial last one), launched as v3's programmatic dependent or after it.
     for name, t in (("span 2", MmaTuning(partition_size=512, span=2)), ("span 4", MmaTuning(partition_size=512, span=4)),
-                    ("span 4 pdl", MmaTuning(partition_size=512, span=4, pdl=True))):
+                    ("span 4 no pdl", MmaTuning(partition_size=512, span=4, pdl=False))):
         runs += [(f"decode v3 {name}, p512, 34 partitions", dec, lambda p=dec, t=t: run_decode(p, version=3, tuning=t))]
     # v3's other shapes: block_size 8 (a 16-token slab spans two blocks), head_dim 64 and 256, 3 and
     # 8 query heads per CTA (empty mma columns; all eight used).
