@@ -69,9 +69,9 @@
 //      epilogues, and the reduce waits for v3's end in the kernel (griddepcontrol.wait) before it reads a
 //      partial: only its launch is hidden, so the same bits. Triggered at v3's start instead (2026-12-02) it
 //      moved (64, 4096) +0.5-0.7% and (8, 32768) -0.9-1.2%: the reduce's CTAs took the SM slots of v3 CTAs
-//      still waiting to start. After the loop (2026-12-04, A-B twice in one call): +0.2-0.3% at (8, 32768),
-//      +0.2% at (1, 131072), level where no reduce follows.
-//      Also measured that day and dropped: the partitions of a context merged inside a thread-block
+//      still waiting to start. After the loop (2026-12-04, A-B in two calls, docs/benchmarks.md): +0.2-0.4% at
+//      (1, 131072), 0-0.5% at (16, 8192), 0-0.3% at (8, 32768), level where no reduce follows.
+//      Also measured on 2026-12-02 and dropped: the partitions of a context merged inside a thread-block
 //      cluster through distributed shared memory (no partials in global memory, no reduce launch). It lost
 //      2% at (64, 4096) and 4% at (8, 32768) (clusters of 8 CTAs are placed as a unit, and that cost more
 //      than the reduce it saved), and racecheck flagged its writes into a CTA that might have exited.
