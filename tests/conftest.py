@@ -38,6 +38,7 @@ def _gpu_lock(exclusive: bool):
             fcntl.flock(gate, fcntl.LOCK_UN)
         yield
 
+
 def pytest_addoption(parser):
     course.pytest_options(parser)
 
