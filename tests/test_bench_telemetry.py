@@ -120,7 +120,7 @@ def test_the_window_energy_is_counted_between_two_steps_of_nvmls_counter(tmp_pat
     assert s.result.energy_j == pytest.approx(350.0), (
         "the energy runs from the counter's step after the window opens (10,070 J) to its step after the work "
         "(10,420 J), in joules: not from a read between two steps")
-    assert s.result.window_s > 0 and nvml.handles == ["GPU-1234", "GPU-1234"] and nvml.reads == [10_420_000]
+    assert s.result.window_s > 0 and nvml.handles == ["GPU-1234"] and nvml.reads == [10_420_000]
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="a shell script stands in for nvidia-smi")
@@ -136,14 +136,14 @@ def test_a_window_shorter_than_the_counters_resolution_reports_no_energy(tmp_pat
 def test_a_counter_that_does_not_step_is_waited_for_only_so_long(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(reads=(5_000,)))
     monkeypatch.setattr(telemetry, "COUNTER_STEP_WAIT_S", 0.02)
-    value, _ = telemetry._counter_step("GPU-1")
+    value, _ = telemetry._counter_step(telemetry._energy_reader("GPU-1"))
     assert value == 5_000
 
 
 def test_without_nvml_the_energy_is_unknown(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
     assert telemetry._energy_reader("GPU-1") is None
-    assert telemetry._counter_step("GPU-1")[0] is None
+    assert telemetry._counter_step(telemetry._energy_reader("GPU-1"))[0] is None
 
 
 def test_sustained_settles_then_times_the_sampled_rounds():

@@ -84,7 +84,7 @@ class GpuSampler:
         self.uuid = uuid if not uuid or uuid.startswith("GPU-") else f"GPU-{uuid}"
         self.interval_ms = interval_ms
         self.result: Telemetry | None = None
-        self._proc = self._out = self._energy0 = None
+        self._proc = self._out = self._energy0 = self._read_energy = None
         self._query = QUERY
         self._t0 = 0.0
 
@@ -101,7 +101,8 @@ class GpuSampler:
                 self._proc.kill()  # an error (a field this driver does not know): it quits, or is stopped
                 self._proc.wait()
                 self._out.close()
-            self._energy0, self._t0 = _counter_step(self.uuid)
+            self._read_energy = _energy_reader(self.uuid)  # NVML opened once, read at both ends
+            self._energy0, self._t0 = _counter_step(self._read_energy)
         return self
 
     def _first_sample(self, timeout_s: float = 3.0) -> bool:
@@ -128,7 +129,7 @@ class GpuSampler:
             return
         work = time.perf_counter() - self._t0
         # the counter's next step only where the energy will be reported (no wait after a short window)
-        energy, t1 = _counter_step(self.uuid) if work >= MIN_ENERGY_WINDOW_S else (None, time.perf_counter())
+        energy, t1 = _counter_step(self._read_energy) if work >= MIN_ENERGY_WINDOW_S else (None, time.perf_counter())
         window = t1 - self._t0
         self._proc.terminate()
         try:
@@ -161,10 +162,10 @@ def _energy_reader(uuid: str):
     return lambda: int(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
 
 
-def _counter_step(uuid: str) -> tuple[int | None, float]:
+def _counter_step(read) -> tuple[int | None, float]:
     """(the energy counter's value, the time) just after its next step (or after COUNTER_STEP_WAIT_S without
-    one; None at once without NVML): a window counted between two steps has the counter's resolution at neither end."""
-    read = _energy_reader(uuid)
+    one; None at once where `read`, an _energy_reader, is None): a window counted between two steps has the
+    counter's resolution at neither end."""
     if read is None:
         return None, time.perf_counter()
     first, deadline = read(), time.perf_counter() + COUNTER_STEP_WAIT_S
