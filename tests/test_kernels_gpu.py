@@ -204,9 +204,9 @@ def test_a_small_grid_prefetches_and_keeps_the_bits():
 
 # The schedules of the merge, each the bits of the reduce kernel launched after v3: the last partition CTA merges
 # (ticket counters), or the reduce kernel is launched as v3's programmatic dependent (PDL, the default: resident
-# under v3's last CTAs, it waits for v3),
-# or a CTA computes 2 or 4 of a sequence's partitions in turn and merges them itself when they are the whole
-# context (build.span_schedule; spans are capped to 1 where the config has no room: 8 heads a CTA, 8-token blocks).
+# under v3's last CTAs, it waits for v3), or a CTA computes 2 or 4 of a sequence's partitions in turn and merges
+# them itself when they are the whole context (build.span_schedule; spans are capped to 1 where the config has no
+# room: 8 heads a CTA, 8-token blocks).
 SCHEDULES = {"in kernel": dict(merge_in_kernel=True), "pdl": dict(pdl=True), "span 2": dict(span=2),
              "span 4": dict(span=4), "span 4 pdl": dict(span=4, pdl=True)}
 

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # The power is the instant draw: `power.draw` is a one-second average on Ampere and later (it read 505 W over 1.5 s
@@ -146,7 +147,7 @@ class GpuSampler:
                 self.result.energy_j = (energy - self._energy0) / 1e3
 
 
-def _energy_reader(uuid: str):
+def _energy_reader(uuid: str) -> Callable[[], int] | None:
     """() -> GPU `uuid`'s ("GPU-...") energy counter in millijoules since the driver loaded (NVML), or None without
     nvidia-ml-py or where NVML cannot read it."""
     try:
@@ -162,7 +163,7 @@ def _energy_reader(uuid: str):
     return lambda: int(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
 
 
-def _counter_step(read) -> tuple[int | None, float]:
+def _counter_step(read: Callable[[], int] | None) -> tuple[int | None, float]:
     """(the energy counter's value, the time) just after its next step (or after COUNTER_STEP_WAIT_S without
     one; None at once where `read`, an _energy_reader, is None): a window counted between two steps has the
     counter's resolution at neither end."""
