@@ -435,3 +435,35 @@ def test_the_read_roofline_kernel_is_compiled_by_ci_and_the_gather_bench_refuses
         args = dict(k_cache=k, v_cache=k, block_tables=tables, out=out) | kw
         with pytest.raises(ValueError, match=msg):
             kv_read(**args)
+
+
+class _Kernel:
+    """What `launch.opt_in_shared_memory` reads and sets of a CuPy RawKernel."""
+
+    def __init__(self, static: int, allowed: int = 0):
+        self.shared_size_bytes, self.max_dynamic_shared_size_bytes = static, allowed
+
+
+@pytest.mark.parametrize("static, dynamic, opted", [
+    (0, 48 * 1024, 0),  # exactly the default limit: no opt-in
+    (0, 64 * 1024, 64 * 1024),  # dynamic alone past it
+    (40 * 1024, 16 * 1024, 16 * 1024),  # neither past it, the sum is: the launch needs the opt-in too
+    (40 * 1024, 8 * 1024, 0),  # the sum exactly 48 KB
+    (5632, 0, 0),  # static memory only: nothing to opt in
+])
+def test_a_kernel_opts_in_when_static_and_dynamic_shared_memory_pass_48_kb(static, dynamic, opted):
+    from pagedref.kernels import launch
+
+    k = _Kernel(static)
+    launch.opt_in_shared_memory(k, dynamic)
+    assert k.max_dynamic_shared_size_bytes == opted, (
+        f"{static} B static + {dynamic} B dynamic: the kernel must allow {opted} B of dynamic shared memory "
+        f"(a block may use 48 KB of static and dynamic together without the opt-in)")
+
+
+def test_an_opt_in_already_large_enough_is_left_alone():
+    from pagedref.kernels import launch
+
+    k = _Kernel(0, allowed=100 * 1024)
+    launch.opt_in_shared_memory(k, 64 * 1024)
+    assert k.max_dynamic_shared_size_bytes == 100 * 1024

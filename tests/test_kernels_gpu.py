@@ -335,3 +335,34 @@ def test_cuda_backend_refuses_a_bad_slot():
     meta = metadata(p, torch.tensor([3, 10**6], device="cuda"))
     with pytest.raises(ValueError, match=r"slot_mapping\[1\]"):
         get_backend("cuda").forward(p.q, p.q[:, :2], p.q[:, :2], (p.k_cache, p.v_cache), meta, p.scale)
+
+
+_STATIC_AND_DYNAMIC = r"""
+extern "C" __global__ void fill(float *out, int n_dynamic) {
+  __shared__ float fixed[10240];  // 40 KB of static shared memory
+  extern __shared__ float dynamic[];
+  for (int i = threadIdx.x; i < 10240; i += blockDim.x) fixed[i] = (float)i;
+  for (int i = threadIdx.x; i < n_dynamic; i += blockDim.x) dynamic[i] = 1.f;
+  __syncthreads();
+  if (threadIdx.x == 0) out[0] = fixed[10239] + dynamic[n_dynamic - 1];
+}
+"""
+
+
+def test_a_kernel_with_static_and_dynamic_shared_memory_past_48_kb_launches():
+    """40 KB static + 16 KB dynamic: neither alone passes 48 KB, together they do, and the driver refuses
+    the launch unless the kernel allows 16 KB of dynamic memory (launch.opt_in_shared_memory)."""
+    import cupy
+
+    from pagedref.kernels import launch
+
+    kernel = cupy.RawKernel(_STATIC_AND_DYNAMIC, "fill")
+    out = cupy.zeros(1, dtype=cupy.float32)
+    dynamic = 16 * 1024
+    assert kernel.shared_size_bytes == 40 * 1024
+    with pytest.raises(cupy.cuda.driver.CUDADriverError):
+        kernel((1,), (128,), (out, cupy.int32(dynamic // 4)), shared_mem=dynamic)
+        cupy.cuda.Device().synchronize()
+    launch.opt_in_shared_memory(kernel, dynamic)
+    kernel((1,), (128,), (out, cupy.int32(dynamic // 4)), shared_mem=dynamic)
+    assert float(out[0]) == 10240.0

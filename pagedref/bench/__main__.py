@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("kernel", "memory", "serve", "latency", "step", "profile", "online", "spec", "gemm", "gather")
+BENCHMARKS = ("kernel", "memory", "serve", "latency", "step", "profile", "online", "spec", "gemm", "gather", "overlap")
 
 
 def main(argv: list[str]) -> int:

@@ -24,7 +24,7 @@ from pagedref.kernels.splitk import (NUM_THREADS, PREFILL_MMA_ROWS, PREFILL_ROWS
                                      num_partitions, prefill_mma_shared_bytes)
 
 _WARPS_PER_CTA = NUM_THREADS // 32  # the reduce kernel: a warp per 32 dims of a (sequence, head) row
-_STATIC_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
+_DEFAULT_SMEM_LIMIT = 48 * 1024  # a block's static + dynamic shared memory past this needs the kernel's opt-in
 _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 PREFILL_VERSIONS = (1, 2, 3)
 
@@ -64,8 +64,7 @@ def _launch(config: build.KernelConfig, name: str, device: torch.device, grid: t
     import cupy
 
     kernel = build.function(config, name)
-    if shared_mem > _STATIC_SMEM_LIMIT and kernel.max_dynamic_shared_size_bytes < shared_mem:
-        kernel.max_dynamic_shared_size_bytes = shared_mem
+    opt_in_shared_memory(kernel, shared_mem)
     torch_stream = torch.cuda.current_stream(device).cuda_stream
     if pdl or not all(isinstance(a, np.generic) for a in args):
         with cupy.cuda.Device(device.index):
@@ -74,6 +73,16 @@ def _launch(config: build.KernelConfig, name: str, device: torch.device, grid: t
     stream = _external_stream(torch_stream, device.index)
     with cupy.cuda.Device(device.index), stream:
         kernel(grid, (threads,), args, shared_mem=shared_mem)
+
+
+def opt_in_shared_memory(kernel, shared_mem: int) -> None:
+    """Let `kernel` (a CuPy RawKernel) launch with `shared_mem` bytes of dynamic shared memory. Without an
+    opt-in a block may use 48 KB, static and dynamic together; past that the kernel's attribute
+    (cudaFuncAttributeMaxDynamicSharedMemorySize) must allow the dynamic part. So the test is on the sum: a
+    kernel with 40 KB of static memory launched with 16 KB dynamic needs it as much as one with 64 KB dynamic."""
+    if shared_mem and kernel.shared_size_bytes + shared_mem > _DEFAULT_SMEM_LIMIT \
+            and kernel.max_dynamic_shared_size_bytes < shared_mem:
+        kernel.max_dynamic_shared_size_bytes = shared_mem
 
 
 def _dtype_name(t: torch.Tensor) -> str:
