@@ -48,6 +48,9 @@ def test_the_bytes_read_are_those_of_the_kernel_timed_steps(tiny_dir):
     timed = profile.measure(tiny_dir, "paged", 4, 20, "cpu", NUM_KV_BLOCKS, steps=steps, warmup=1, kernels=False)
     kernel = profile.measure(tiny_dir, "paged", 4, 20, "cpu", NUM_KV_BLOCKS, steps=steps, warmup=1, kernels=True)
     assert kernel.mean_context_len == timed.mean_context_len + 1.5 * steps
+    # the wall window is the first: contexts c..c+s-1, mean c+(s-1)/2, whatever else is timed after it
+    assert timed.wall_context_len == kernel.wall_context_len == timed.mean_context_len - steps / 2, (
+        "wall_context_len must be the mean context of the wall-timed steps, the first window")
     assert kernel.kernels_ms == {"gemm": 0.0, "attention": 0.0, "other": 0.0}, "the CPU has no kernel events"
     assert kernel.kv_bytes == pytest.approx(4 * kernel.mean_context_len * kv_bytes_per_token("tiny", 4))
 

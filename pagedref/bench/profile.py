@@ -72,6 +72,8 @@ class ProfileResult:
     top_kernels: list[tuple[str, str, float]] | None = None  # [(class, kernel name, ms per step)], the longest first
     weight_gemm: str = "torch"  # the engine's weight_gemm: "torch" (cuBLAS), "pagedref", or the ops, comma-joined
     telemetry: dict | None = None  # the wall-timed steps' SM clock, power, energy (bench.telemetry.Telemetry) and J a step
+    wall_context_len: float | None = None  # tokens per sequence, mean over the wall-timed steps (2 x steps before
+    # the kernel-timed ones: at 20 steps 40 tokens shorter than mean_context_len)
 
     def bandwidth(self, what: str) -> float | None:
         """Bytes per second the step's matmuls (what="gemm", the weights) or attention kernels
@@ -205,6 +207,7 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
             return time.perf_counter() - t0
 
         wall, span, idle, tele = _wall_and_idle(engine, timed_step, steps)
+        wall_context = statistics.mean(contexts)  # the wall window's own (contexts grow a token a step)
         phases = _phases(engine, timed_step, steps)
         kernel_ms = top = None
         if kernels or (kernels is None and device == "cuda"):  # the bytes below are the kernel steps' own
@@ -217,7 +220,7 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
         context = statistics.mean(contexts)
         return ProfileResult(kv_cache, num_seqs, context, 1e3 * wall, phases, kernel_ms, weight_bytes,
                              num_seqs * context * kv_per_token, 2.0 * num_seqs * num_params,
-                             engine.async_scheduling, span, idle, top, weight_gemm, tele)
+                             engine.async_scheduling, span, idle, top, weight_gemm, tele, wall_context)
     finally:
         llm.close()
         common.free_device(device)
@@ -279,10 +282,10 @@ def print_report(doc: dict[str, Any]) -> None:
     for r in doc["results"]:
         print(f"{r['kv_cache']:<11}{r.get('weight_gemm', 'torch'):>18}{'on' if r.get('async_scheduling') else 'off':>6}"
               f"{r['num_seqs']:>5}"
-              f"{r['mean_context_len']:>8.0f}{r['wall_ms']:>9.2f}{ms(r.get('gpu_span_ms'))}{ms(r.get('gpu_idle_ms'))}"
+              f"{r.get('wall_context_len') or r['mean_context_len']:>8.0f}{r['wall_ms']:>9.2f}{ms(r.get('gpu_span_ms'))}{ms(r.get('gpu_idle_ms'))}"
               + "".join(f"{r['phases_ms'][p]:>10.2f}" for p in PHASES))
-    print("gpu ms: a step's span on the GPU (CUDA events); idle ms: wall time per step with no step on the GPU; "
-          "phases: measured with a sync after each forward")
+    print("context: the wall-timed steps' mean; gpu ms: a step's span on the GPU (CUDA events); idle ms: wall time "
+          "per step with no step on the GPU; phases: measured with a sync after each forward")
     for r in doc["results"]:
         t = r.get("telemetry")
         if t:
@@ -294,7 +297,8 @@ def print_report(doc: dict[str, Any]) -> None:
                      if t.get("energy_per_step_j") else ""))
     if not all(r["kernels_ms"] for r in doc["results"]):
         return
-    print("GPU time per step (ms) and what it reads; bandwidth as a share of the copy bandwidth")
+    print("GPU time per step (ms) and what it reads, at the kernel-timed steps' contexts (" +
+          ", ".join(f"{r['mean_context_len']:.0f}" for r in doc["results"]) + "); bandwidth as a share of the copy bandwidth")
     print(f"{'kv_cache, weight_gemm':<30}{'gpu ms':>8}{'gemm':>8}{'attn':>8}{'other':>8}{'weights GB':>12}{'gemm TB/s':>11}"
           f"{'TFLOP/s':>9}{'KV GB':>8}{'attn TB/s':>11}")
     for r in doc["results"]:
