@@ -8,7 +8,9 @@ group i can run beside q/k/v of group i + 1 and o of group i - 1 (on a second st
     serial       qkv -> attention -> o -> MLP
     pipeline g   qkv_0; [attn_0 | qkv_1]; [attn_1 | o_0]; ...; [attn_g-1 | o_g-2]; o_g-1 (added to o_0..); MLP
 
-If the GPU could lend attention's idle tensor cores to the GEMMs, the layer would take less than the sum.
+(Group i's q/k/v are rows of three ranges of the merged matrix; the benchmark takes row slices of the same
+sizes, as a pipeline that ordered the merged rows by group would.) If the GPU could lend attention's idle tensor
+cores to the GEMMs, the layer would take less than the sum.
 Each variant is one CUDA graph over `layers` copies of the weights and pools (so nothing stays in L2), replayed
 round and round for a sustained window (bench.telemetry: the clock settles under the power cap; NVML gives the
 joules), the variants measured in interleaved rounds. The layer's small kernels (norms, RoPE, the K/V write)
