@@ -280,9 +280,10 @@ def print_report(doc: dict[str, Any]) -> None:
     print(f"{'kv_cache':<11}{'weight_gemm':>18}{'async':>6}{'seqs':>5}{'context':>8}{'wall ms':>9}{'gpu ms':>9}{'idle ms':>9}"
           + "".join(f"{p:>10}" for p in PHASES))
     for r in doc["results"]:
+        context = r.get("wall_context_len") or r["mean_context_len"]  # documents before 2026-12-04: the kernels'
         print(f"{r['kv_cache']:<11}{r.get('weight_gemm', 'torch'):>18}{'on' if r.get('async_scheduling') else 'off':>6}"
               f"{r['num_seqs']:>5}"
-              f"{r.get('wall_context_len') or r['mean_context_len']:>8.0f}{r['wall_ms']:>9.2f}{ms(r.get('gpu_span_ms'))}{ms(r.get('gpu_idle_ms'))}"
+              f"{context:>8.0f}{r['wall_ms']:>9.2f}{ms(r.get('gpu_span_ms'))}{ms(r.get('gpu_idle_ms'))}"
               + "".join(f"{r['phases_ms'][p]:>10.2f}" for p in PHASES))
     print("context: the wall-timed steps' mean; gpu ms: a step's span on the GPU (CUDA events); idle ms: wall time "
           "per step with no step on the GPU; phases: measured with a sync after each forward")
@@ -297,8 +298,9 @@ def print_report(doc: dict[str, Any]) -> None:
                      if t.get("energy_per_step_j") else ""))
     if not all(r["kernels_ms"] for r in doc["results"]):
         return
-    print("GPU time per step (ms) and what it reads, at the kernel-timed steps' contexts (" +
-          ", ".join(f"{r['mean_context_len']:.0f}" for r in doc["results"]) + "); bandwidth as a share of the copy bandwidth")
+    contexts = ", ".join(f"{r['mean_context_len']:.0f}" for r in doc["results"])
+    print(f"GPU time per step (ms) and what it reads, at the kernel-timed steps' contexts ({contexts}); bandwidth as "
+          "a share of the copy bandwidth")
     print(f"{'kv_cache, weight_gemm':<30}{'gpu ms':>8}{'gemm':>8}{'attn':>8}{'other':>8}{'weights GB':>12}{'gemm TB/s':>11}"
           f"{'TFLOP/s':>9}{'KV GB':>8}{'attn TB/s':>11}")
     for r in doc["results"]:
