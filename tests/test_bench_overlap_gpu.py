@@ -25,14 +25,30 @@ def test_the_cli_names_a_bad_argument(argv, problem, capsys):
     assert problem in capsys.readouterr().err
 
 
+def test_a_saved_run_prints_and_plots_without_a_gpu(tmp_path, capsys):
+    run = {"us_per_layer": 270.0, "mJ_per_layer": 190.0, "sm_clock_mhz": 1500.0, "power_w": 690.0}
+    doc = {"benchmark": "overlap", "environment": {"device": "cuda", "gpu": "H200", "torch": "2.11", "commit": "abc",
+                                                   "date": "2026-12-04 13:09 UTC"},
+           "args": {"model_shape": "llama-3.1-8b", "batch": 256, "context": 208, "groups": [2], "layers": 4,
+                    "seconds": 1.5, "rounds": 1, "side_priority": "default"},
+           "results": {"serial": [run], "pipeline 2": [dict(run, us_per_layer=289.0, mJ_per_layer=None)]}}
+    saved, png = tmp_path / "overlap.json", tmp_path / "overlap.png"
+    saved.write_text(json.dumps(doc))
+    assert overlap.main(["--from-json", str(saved), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "270.0 µs a layer" in out and "190.0 mJ a layer" in out and "289.0 µs a layer" in out, out
+    assert png.stat().st_size > 0
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("groups", [2, 4])
 def test_the_head_groups_attention_is_the_whole_attention(groups):
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    whole = overlap.make_attention(batch=5, context=208, heads=32, kv_heads=8, head_dim=128, gen=gen)
+    from pagedref.bench.kernel import DecodeCase
+
+    whole = DecodeCase(batch=5, context=208, seed=3)
     whole.run()
-    parts = [whole.heads(i, groups) for i in range(groups)]
+    parts = [whole.head_group(i, groups) for i in range(groups)]
     for p in parts:
         p.run()
     torch.cuda.synchronize()
@@ -44,8 +60,8 @@ def test_the_head_groups_attention_is_the_whole_attention(groups):
 @pytest.mark.gpu
 @needs_gpu
 def test_the_pipelined_layer_computes_the_serial_layers_o():
+    layer = overlap.Layer("llama-3.2-1b", batch=8, context=64, groups=[2, 4], seed=4)
     gen = torch.Generator(device="cuda").manual_seed(4)
-    layer = overlap.Layer("llama-3.2-1b", batch=8, context=64, groups=[2, 4], gen=gen)
     x = torch.randn(8, 2048, generator=gen, device="cuda", dtype=overlap.DTYPE) * 0.1
     attn = torch.randn(8, 32 * 64, generator=gen, device="cuda", dtype=overlap.DTYPE) * 0.1
     h = torch.randn(8, 8192, generator=gen, device="cuda", dtype=overlap.DTYPE) * 0.1
@@ -62,8 +78,10 @@ def test_the_pipelined_layer_computes_the_serial_layers_o():
 def test_the_cli_times_every_variant(tmp_path, capsys):
     out = tmp_path / "overlap.json"
     assert overlap.main(["--model-shape", "llama-3.2-1b", "--batch", "16", "--context", "32", "--layers", "1",
-                         "--seconds", "0.05", "--rounds", "1", "--groups", "2", "--json", str(out)]) == 0
+                         "--seconds", "0.05", "--rounds", "1", "--groups", "2", "--json-out", str(out)]) == 0
     res = json.loads(out.read_text())["results"]
     assert set(res) == {"serial", "pipeline 2", "qkv alone", "attention alone", "o alone", "mlp alone"}
     assert all(r[0]["us_per_layer"] > 0 for r in res.values())
+    assert "pipeline 2" in capsys.readouterr().out
+    assert overlap.main(["--from-json", str(out)]) == 0, "a saved run replays without a GPU's work"
     assert "pipeline 2" in capsys.readouterr().out

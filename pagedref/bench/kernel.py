@@ -24,6 +24,7 @@ Usage: `python -m pagedref.bench kernel [--json [PATH]] [--variants] [--reps N] 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import importlib
 import json
@@ -181,35 +182,54 @@ def flashinfer_prefill(fi, case: "DecodeCase", q: torch.Tensor, query_len: int, 
 
 
 class DecodeCase:
-    """One (batch, context) decode problem: a paged pool in random block order plus its contiguous copy."""
+    """One (batch, context) decode problem: a paged pool in random block order plus its contiguous copy.
+    The heads are the benchmarks' (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM) unless given."""
 
-    def __init__(self, batch: int, context: int, seed: int = 0):
+    def __init__(self, batch: int, context: int, seed: int = 0, num_heads: int = NUM_HEADS,
+                 num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM):
         gen = torch.Generator(device="cuda").manual_seed(seed)
         blocks_per_seq = context // BLOCK_SIZE
         num_blocks = batch * blocks_per_seq
-        shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
         self.k_cache = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
         self.v_cache = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
         perm = torch.randperm(num_blocks, generator=gen, device="cuda")
         self.block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)
         self.context_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-        self.q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE)
+        self.q = torch.randn(batch, num_heads, head_dim, generator=gen, device="cuda", dtype=DTYPE)
         self.out = torch.empty_like(self.q)
         self.batch, self.context = batch, context
-        self.kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * self.k_cache.element_size()
+
+    @property
+    def kv_bytes(self) -> int:
+        """K and V bytes the batch's contexts hold: [batch, context, num_kv_heads, head_dim] each."""
+        _, _, kv_heads, head_dim = self.k_cache.shape
+        return 2 * self.batch * self.context * kv_heads * head_dim * self.k_cache.element_size()
+
+    def head_group(self, group: int, groups: int) -> "DecodeCase":
+        """The same problem on KV-head group `group` of `groups` and its query heads, copied apart (same block
+        tables): attention is per head, so its output is this case's output for those heads."""
+        hkv, h = self.k_cache.shape[2] // groups, self.q.shape[1] // groups
+        part = copy.copy(self)
+        part.k_cache = self.k_cache[:, :, group * hkv:(group + 1) * hkv].contiguous()
+        part.v_cache = self.v_cache[:, :, group * hkv:(group + 1) * hkv].contiguous()
+        part.q = self.q[:, group * h:(group + 1) * h].contiguous()
+        part.out = torch.empty_like(part.q)
+        return part
 
     def contiguous_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V as SDPA wants them: [batch, num_kv_heads, context, head_dim]."""
         def gather(cache):
             g = cache[self.block_tables.long()]  # [B, blocks, BLOCK_SIZE, Hkv, D]
-            return g.reshape(self.batch, self.context, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+            return g.reshape(self.batch, self.context, *cache.shape[2:]).transpose(1, 2).contiguous()
         return gather(self.k_cache), gather(self.v_cache)
 
     def run(self, **kw) -> torch.Tensor:
         from pagedref.kernels import paged_attention_decode
 
         return paged_attention_decode(self.q, self.k_cache, self.v_cache, self.block_tables, self.context_lens,
-                                      HEAD_DIM**-0.5, max_context_len=self.context, out=self.out, check=False, **kw)
+                                      self.q.shape[-1] ** -0.5, max_context_len=self.context, out=self.out,
+                                      check=False, **kw)
 
 
 def sdpa_variants(q, k, v, causal: bool) -> dict:

@@ -29,78 +29,35 @@ over the cap), and the narrower GEMMs spend more joules for the same FLOPs.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
-from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from pagedref.bench import telemetry
-from pagedref.bench.common import SHAPES
+from pagedref.bench.common import SHAPES, add_output_flags, emit, environment, parse_or_replay, pyplot, save_figure
 from pagedref.bench.gemm import projection_shapes
-
-BLOCK_SIZE = 16
-DTYPE = torch.bfloat16
-
-
-@dataclass
-class Attention:
-    """One decode attention problem: q [batch, heads, head_dim] over a paged pool [blocks, 16, kv_heads,
-    head_dim] in random block order, every sequence `context` tokens long."""
-
-    q: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    block_tables: torch.Tensor
-    context_lens: torch.Tensor
-    out: torch.Tensor
-
-    def run(self) -> None:
-        from pagedref.kernels import paged_attention_decode
-
-        ctx = self.block_tables.shape[1] * BLOCK_SIZE
-        paged_attention_decode(self.q, self.k_cache, self.v_cache, self.block_tables, self.context_lens,
-                               self.q.shape[-1] ** -0.5, max_context_len=ctx, out=self.out, check=False)
-
-    def heads(self, group: int, groups: int) -> "Attention":
-        """The same problem restricted to KV-head group `group` of `groups` and its query heads, copied apart."""
-        hkv, h = self.k_cache.shape[2] // groups, self.q.shape[1] // groups
-        kv = slice(group * hkv, (group + 1) * hkv)
-        q = self.q[:, group * h:(group + 1) * h].contiguous()
-        return Attention(q, self.k_cache[:, :, kv].contiguous(), self.v_cache[:, :, kv].contiguous(),
-                         self.block_tables, self.context_lens, torch.empty_like(q))
-
-
-def make_attention(batch: int, context: int, heads: int, kv_heads: int, head_dim: int,
-                   gen: torch.Generator) -> Attention:
-    blocks = context // BLOCK_SIZE
-    shape = (batch * blocks, BLOCK_SIZE, kv_heads, head_dim)
-    k = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
-    v = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
-    tables = torch.randperm(batch * blocks, generator=gen, device="cuda").view(batch, blocks).to(torch.int32)
-    q = torch.randn(batch, heads, head_dim, generator=gen, device="cuda", dtype=DTYPE)
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    return Attention(q, k, v, tables, lens, torch.empty_like(q))
+from pagedref.bench.kernel import BLOCK_SIZE, DTYPE, DecodeCase
+from pagedref.kernels import gemm
 
 
 class Layer:
     """One layer's weights ([N, K], a model's scale) and attention problem, and its kernels in each order."""
 
-    def __init__(self, model_shape: str, batch: int, context: int, groups: list[int], gen: torch.Generator):
+    def __init__(self, model_shape: str, batch: int, context: int, groups: list[int], seed: int):
         cfg = SHAPES[model_shape]
-        self.heads, self.kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        gen = torch.Generator(device="cuda").manual_seed(seed)
         self.w = {name: torch.randn(n, k, generator=gen, device="cuda", dtype=DTYPE) / k**0.5
                   for name, (k, n) in projection_shapes(model_shape).items()}
-        self.attention = make_attention(batch, context, self.heads, self.kv_heads, cfg["head_dim"], gen)
-        self.groups = {g: [self.attention.heads(i, g) for i in range(g)] for g in groups}
+        self.attention = DecodeCase(batch, context, seed, cfg["num_attention_heads"], cfg["num_key_value_heads"],
+                                    cfg["head_dim"])
+        self.groups = {g: [self.attention.head_group(i, g) for i in range(g)] for g in groups}
 
     def mlp(self, x: torch.Tensor, h: torch.Tensor) -> None:
         """gate/up with SiLU and down: on the project's Hopper GEMM where it runs (as weight_gemm="pagedref"),
         elsewhere cuBLAS's two GEMMs (the SiLU left out: the same in every variant)."""
-        from pagedref.kernels import gemm
-
         if gemm.supported(x, self.w["gate_up"]):
             gemm.silu_mul_linear(x, self.w["gate_up"])
             gemm.linear(h, self.w["down"])
@@ -151,14 +108,12 @@ def variants(layers: list[Layer], groups: list[int], side: torch.cuda.Stream, x,
 
 
 def bench(model_shape: str, batch: int, context: int, groups: list[int], num_layers: int, seconds: float,
-          rounds: int, side_priority: int) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(0)
+          rounds: int, side_priority: int) -> dict[str, list[dict]]:
+    """{variant: one entry a round}: µs and mJ a layer, the SM clock and power of its sustained window."""
     cfg = SHAPES[model_shape]
-    layers = [Layer(model_shape, batch, context, groups, gen) for _ in range(num_layers)]
-    x = torch.randn(batch, cfg["hidden_size"], generator=gen, device="cuda", dtype=DTYPE) * 0.1
-    q_width = cfg["num_attention_heads"] * cfg["head_dim"]
-    attn = torch.randn(batch, q_width, generator=gen, device="cuda", dtype=DTYPE) * 0.1
-    h = torch.randn(batch, cfg["intermediate_size"], generator=gen, device="cuda", dtype=DTYPE) * 0.1
+    layers = [Layer(model_shape, batch, context, groups, seed) for seed in range(num_layers)]
+    x, attn, h = (0.1 * torch.randn(batch, width, device="cuda", dtype=DTYPE) for width in
+                  (cfg["hidden_size"], cfg["num_attention_heads"] * cfg["head_dim"], cfg["intermediate_size"]))
     side = torch.cuda.Stream(priority=side_priority)
     graphs = {}
     for name, fn in variants(layers, groups, side, x, attn, h).items():
@@ -179,6 +134,33 @@ def bench(model_shape: str, batch: int, context: int, groups: list[int], num_lay
     return res
 
 
+def print_report(doc: dict[str, Any]) -> None:
+    env, a = doc["environment"], doc["args"]
+    print(f"overlap: {env.get('gpu', env['device'])}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
+    print(f"{a['model_shape']}: {a['batch']} sequences of {a['context']} tokens, {a['layers']} layers in turn, "
+          f"{a['seconds']} s a variant and round, the attention stream at {a['side_priority']} priority")
+    for name, runs in doc["results"].items():
+        us = " / ".join(f"{r['us_per_layer']:.1f}" for r in runs)
+        mj = " / ".join(f"{r['mJ_per_layer']:.1f}" for r in runs if r["mJ_per_layer"] is not None) or "-"
+        mhz = " / ".join(f"{r['sm_clock_mhz']:.0f}" for r in runs if r["sm_clock_mhz"]) or "-"
+        print(f"  {name:18s} {us:>17} µs a layer   {mj:>13} mJ a layer   SM {mhz} MHz")
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """µs a layer per variant, its fastest round (bars)."""
+    plt = pyplot()
+    names = list(doc["results"])
+    fig, ax = plt.subplots(figsize=(1.5 + 1.1 * len(names), 3.8))
+    ax.bar(names, [min(r["us_per_layer"] for r in doc["results"][n]) for n in names], color="#4C72B0")
+    ax.set_ylabel("µs a layer, sustained")
+    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    a = doc["args"]
+    ax.set_title(f"{a['model_shape']}, {a['batch']} sequences of {a['context']} tokens "
+                 f"({doc['environment'].get('gpu', 'cpu')})", fontsize=9)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pagedref.bench overlap", description=__doc__.split("\n")[0])
     ap.add_argument("--model-shape", default="llama-3.1-8b", choices=[s for s in SHAPES if s != "tiny"])
@@ -190,8 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--side-priority", choices=("default", "high"), default="default",
                     help="the attention stream's priority in the pipelines")
-    ap.add_argument("--json", help="also write the results as JSON to this path")
-    args = ap.parse_args(argv)
+    add_output_flags(ap, "µs a layer per variant")
+    args = parse_or_replay(ap, argv, print_report, plot)
+    if args is None:
+        return 0
     kv_heads = SHAPES[args.model_shape]["num_key_value_heads"]
     if args.context <= 0 or args.context % BLOCK_SIZE or args.batch <= 0 or args.layers <= 0 or args.rounds <= 0:
         ap.error(f"--context must be a positive multiple of {BLOCK_SIZE}; --batch, --layers, --rounds positive")
@@ -201,20 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         print("the overlap benchmark needs a CUDA GPU", file=sys.stderr)
         return 1
     priority = torch.cuda.Stream.priority_range()[1] if args.side_priority == "high" else 0
-    doc = {"command": "python -m pagedref.bench overlap " + " ".join(argv or []),
-           "gpu": torch.cuda.get_device_name(0), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    keys = ("model_shape", "batch", "context", "groups", "layers", "seconds", "rounds", "side_priority")
+    doc = {"benchmark": "overlap", "environment": environment("cuda"), "args": {k: getattr(args, k) for k in keys},
            "results": bench(args.model_shape, args.batch, args.context, args.groups, args.layers, args.seconds,
                             args.rounds, priority)}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-    print(f"{doc['gpu']}, {doc['date']}: {args.model_shape}, {args.batch} sequences of {args.context} tokens, "
-          f"{args.layers} layers in turn, {args.seconds} s a round")
-    for name, runs in doc["results"].items():
-        us = " / ".join(f"{r['us_per_layer']:.1f}" for r in runs)
-        mj = " / ".join(f"{r['mJ_per_layer']:.1f}" for r in runs if r["mJ_per_layer"] is not None) or "-"
-        mhz = " / ".join(f"{r['sm_clock_mhz']:.0f}" for r in runs if r["sm_clock_mhz"]) or "-"
-        print(f"  {name:18s} {us:>17} µs a layer   {mj:>13} mJ a layer   SM {mhz} MHz")
+    emit(doc, args, print_report, plot)
     return 0
 
 
