@@ -57,7 +57,22 @@
 //      and end, paid once for 4 partitions). What it costs even at span 1: its slots' shared memory (32 KB
 //      at head_dim 128) leaves L1 less room for the loads in flight (python -m pagedref.bench gather), and
 //      its loop tests for partition ends; so a launch of one partition a CTA runs the build without span
-//      slots (SPAN_SLOTS=1, build.span_build), the same operations in the same order.
+//      slots (SPAN_SLOTS=1, build.span_build), the same operations in the same order. (This is the tree of
+//      SPAN_FOLD=0, build.MmaTuning(fold=False): a candidate since 2026-12-04.)
+//   v3 with SPAN_FOLD=1, the folded tree (the default since 2026-12-04; build.MmaTuning.fold): another fixed
+//      order of the same sums. A sequence's partitions are grouped in superpartitions of FOLD_SPAN (4); in
+//      each, warp w's state of each partition is folded into its state of the partitions before, in order
+//      (M = max(m, m'), l = l' f' + l f with f = exp2(m - M): fold_partition), then the superpartition's
+//      four folded warp states are merged as a partition's were, and superpartitions are merged as the
+//      reduce kernel merges partitions. Why: a CTA that computes a whole superpartition folds in its slab
+//      loop into ONE slot per warp (8 KB at head_dim 128, not the unfolded span's 4 slots of 32 KB, past
+//      the 32-KB step where L1 loses room for the loads in flight) with no barrier, and writes no partials
+//      for contexts up to 4 partitions: +1-2% at (64, 4096), (8, 32768) and (1, 131072), ahead of FlashInfer
+//      there (docs/benchmarks.md, 2026-12-04 evening). A launch whose superpartition CTAs would leave the
+//      GPU half idle (a few long sequences) runs one partition a CTA instead (build.span_schedule); each CTA
+//      writes its 4 warps' states as they are and paged_attention_fold_reduce folds them with the same
+//      operations in the same order: the same bits, for 4x the partials and a longer merge (1.5-4% slower
+//      than the unfolded tree at (2-12, 8192-32768)). The bits are a function of the sequence alone either way.
 //   v3 with MERGE_IN_KERNEL=1 (candidates, not the default): the last partition CTA of each
 //      (sequence, head group) to finish merges the partitions itself (a ticket counter per group,
 //      flash-decoding's "last block reduces"), so no reduce launch follows; the same operations in
@@ -76,7 +91,7 @@
 //      2% at (64, 4096) and 4% at (8, 32768) (clusters of 8 CTAs are placed as a unit, and that cost more
 //      than the reduce it saved), and racecheck flagged its writes into a CTA that might have exited.
 //   Bit-level consequences: every reduction runs in an order fixed by (HEAD_DIM, PARTITION_SIZE,
-//   THREADS_PER_TOKEN, NUM_THREADS) and by token index only, so a sequence's result is the same
+//   THREADS_PER_TOKEN, NUM_THREADS; v3: and its tree, SPAN_FOLD) and by token index only, so a sequence's result is the same
 //   bits whatever physical blocks hold its K/V, whatever else is in the batch, and however the
 //   loads are scheduled. It is NOT the same bits as a single-pass softmax (or as another GPU's
 //   expf): the sums are associated differently.
@@ -87,12 +102,14 @@
 //           of one sequence and partition are neighbours in launch order; v2's span is 1)
 //   reduce: grid (num_seqs, ceil(num_heads * ceil(HEAD_DIM / 32) / NUM_WARPS)), block NUM_THREADS (a warp per
 //           32 dims of a head)
+//   fold reduce (SPAN_FOLD=1, one partition a CTA): grid (num_seqs, num_heads * ceil(HEAD_DIM / 32)), a CTA per 32
+//           dims of a head, its warps folding different superpartitions
 //
 // Compile-time parameters (-D): PR_DTYPE (0 fp32, 1 fp16, 2 bf16), HEAD_DIM (a multiple of VEC,
 // <= 256), BLOCK_SIZE, HEADS_PER_CTA (<= 8, divides the GQA group), PARTITION_SIZE (a multiple of
 // BLOCK_SIZE), UNROLL (tokens per pipeline step per thread), THREADS_PER_TOKEN (power of two <= 32),
 // MIN_CTAS_PER_SM (v2's and v3's register budget: __launch_bounds__'s second argument), SPAN_SLOTS (v3:
-// partitions a CTA may compute in turn, 1-4; build.span_slots), ASYNC_COPY
+// partitions a CTA may compute in turn, 1-4; build.span_slots), SPAN_FOLD (0/1: v3's folded tree), ASYNC_COPY
 // (0/1), STAGES (depth of the cp.async ring), DECODE_MMA (0/1: compile v3), KV_LOAD_HINT (0/1: v3's
 // K/V loads skip L1 and prefetch whole 256-byte rows into L2), KV_EVICT_FIRST (0/1: v3's K/V loads
 // skip L1 and leave L2 first), KV_PREFETCH (0/1: v3 asks L2 for the
@@ -118,6 +135,10 @@
 #ifndef STAGES
 #define STAGES 4
 #endif
+#ifndef SPAN_FOLD
+#define SPAN_FOLD 0  // v3's folded tree (superpartitions of FOLD_SPAN partitions; build.MmaTuning.fold): see write_folded
+#endif
+constexpr int FOLD_SPAN = 4;  // partitions of a superpartition (build.MAX_SPAN)
 
 constexpr int G = HEADS_PER_CTA;
 
@@ -581,6 +602,9 @@ static_assert(PARTITION_SIZE % (SLAB * NUM_WARPS) == 0, "v3: a warp's slabs must
 #ifndef SPAN_SLOTS
 #define SPAN_SLOTS 1  // partitions one CTA may compute in turn (their warps' states share the CTA's shared memory)
 #endif
+constexpr int STATE_SLOTS = SPAN_FOLD ? 1 : SPAN_SLOTS;  // warps' state slots in shared memory
+static_assert(!SPAN_FOLD || SPAN_SLOTS == 1 || SPAN_SLOTS == FOLD_SPAN, "a folded span is one whole superpartition");
+static_assert(!(SPAN_FOLD && MERGE_IN_KERNEL), "the in-kernel merge merges partitions, not folded superpartitions");
 constexpr int KCH = HEAD_DIM / 32;  // K: 32-dim pieces, 16-byte slices per lane per token row (two rows per lane)
 constexpr bool K16 = HEAD_DIM % 32 >= 16;  // K: a 16-dim piece after them (8-byte slices)
 constexpr bool K8 = HEAD_DIM % 16 == 8;    // K: an 8-dim piece last (4-byte slices)
@@ -753,15 +777,32 @@ __device__ __forceinline__ void store_o(float (*o_s)[HEAD_DIM], const float (&o)
   }
 }
 
+// SPAN_FOLD: this lane's C fragment of one band folded into the warp's saved state (the very elements store_o
+// wrote from this lane, so no other lane's write is read): saved = fmaf(o, f_new, saved * f_old).
+__device__ __forceinline__ void fold1(float *p, float o, float fo, float fn) {
+  *p = fmaf(o, fn, *p * fo);
+}
+__device__ __forceinline__ void fold_o(float (*o_s)[HEAD_DIM], const float (&o)[4], int d, bool has_d1, int h0, int h1,
+                                       float fo0, float fn0, float fo1, float fn1) {
+  if (h0 < G) {
+    fold1(&o_s[h0][d], o[0], fo0, fn0);
+    if (has_d1) fold1(&o_s[h0][d + 1], o[2], fo0, fn0);
+  }
+  if (h1 < G) {
+    fold1(&o_s[h1][d], o[1], fo1, fn1);
+    if (has_d1) fold1(&o_s[h1][d + 1], o[3], fo1, fn1);
+  }
+}
+
 // The CTA's partitions' states, one slot per partition it computes: each warp's unnormalized p.V, max (log2
 // units) and exp-sum, written by the warp at its last slab of the partition, read by write_partitions.
-__shared__ float v3_o_s[SPAN_SLOTS][NUM_WARPS][G][HEAD_DIM];
-__shared__ float v3_m_s[SPAN_SLOTS][NUM_WARPS][G], v3_l_s[SPAN_SLOTS][NUM_WARPS][G];
+__shared__ float v3_o_s[STATE_SLOTS][NUM_WARPS][G][HEAD_DIM];
+__shared__ float v3_m_s[STATE_SLOTS][NUM_WARPS][G], v3_l_s[STATE_SLOTS][NUM_WARPS][G];
 
 // Warps that saved a state for partition q: those with a slab there; all of them with one partition a CTA
 // (each saves after its loop, zeros and -inf if it had no slab: the same values the others stand for).
 __device__ __forceinline__ int warps_with_slabs(int q, int num_slabs) {
-  return SPAN_SLOTS == 1 ? NUM_WARPS : min(NUM_WARPS, num_slabs - q * SLABS_PER_PART);
+  return STATE_SLOTS == 1 ? NUM_WARPS : min(NUM_WARPS, num_slabs - q * SLABS_PER_PART);
 }
 
 // Partition q's max over its warps, in warp order (log2 units); `busy` warps had a slab there (warp 0 always
@@ -794,18 +835,18 @@ __device__ __forceinline__ void write_partitions(scalar_t *__restrict__ out, flo
                                                  float *__restrict__ max_logits, float *__restrict__ exp_sums,
                                                  long long row0, int num_parts, int max_parts, int part0, int span,
                                                  int num_slabs) {
-  const int num_q = SPAN_SLOTS == 1 ? 1 : (num_slabs + SLABS_PER_PART - 1) / SLABS_PER_PART;  // partitions computed
+  const int num_q = STATE_SLOTS == 1 ? 1 : (num_slabs + SLABS_PER_PART - 1) / SLABS_PER_PART;  // partitions computed
   const bool whole = SPAN_SLOTS > 1 && part0 == 0 && num_parts > 1 && num_parts <= span;
   for (int i = threadIdx.x; i < G * HEAD_DIM; i += NUM_THREADS) {
     const int g = i / HEAD_DIM, d = i % HEAD_DIM;
     const long long row = row0 + g;
     float big = neg_inf();  // a whole context's M (exact in any order); m_p * ln 2 rounded as the partials store it
 #pragma unroll 1
-    for (int q = 0; whole && q < SPAN_SLOTS && q < num_q; ++q)
+    for (int q = 0; whole && q < STATE_SLOTS && q < num_q; ++q)
       big = fmaxf(big, __fmul_rn(partition_max(q, g, warps_with_slabs(q, num_slabs)), LN2));
     float total = 0.f, merged = 0.f;
 #pragma unroll 1
-    for (int q = 0; q < SPAN_SLOTS && q < num_q; ++q) {
+    for (int q = 0; q < STATE_SLOTS && q < num_q; ++q) {
       const int busy = warps_with_slabs(q, num_slabs);
       const float m = partition_max(q, g, busy);
       float l, acc;
@@ -825,6 +866,41 @@ __device__ __forceinline__ void write_partitions(scalar_t *__restrict__ out, flo
       }
     }
     if (whole) out[row * HEAD_DIM + d] = from_float(merged / total);
+  }
+}
+
+// SPAN_FOLD=1, after the slab loop and a barrier. Slot 0 holds each warp's state folded over the CTA's partitions
+// (one partition, or one whole superpartition of up to FOLD_SPAN), merged over the warps as write_partitions merges
+// a partition's. A context of one partition, or a CTA holding a context's one superpartition, writes the output:
+// acc / l. Otherwise a superpartition CTA writes its share as a partition's (o = acc / l, its max in natural-log
+// units, its exp-sum) at index part0 / FOLD_SPAN, and a CTA of one partition writes its warps' states as they are
+// ([row, partition, warp]: p.V unnormalized, max in log2 units, exp-sum), for paged_attention_reduce to fold.
+__device__ __forceinline__ void write_folded(scalar_t *__restrict__ out, float *__restrict__ tmp_out,
+                                             float *__restrict__ max_logits, float *__restrict__ exp_sums,
+                                             long long row0, int num_parts, int max_parts, int part0) {
+  const int num_supers = (num_parts + FOLD_SPAN - 1) / FOLD_SPAN;
+  for (int i = threadIdx.x; i < G * HEAD_DIM; i += NUM_THREADS) {
+    const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+    const long long row = row0 + g;
+    if (SPAN_SLOTS == 1 && num_parts > 1) {  // the reduce kernel folds these
+#pragma unroll
+      for (int w = 0; w < NUM_WARPS; ++w) {
+        const long long at = (row * max_parts + part0) * NUM_WARPS + w;
+        tmp_out[at * HEAD_DIM + d] = v3_o_s[0][w][g][d];
+        if (d == 0) max_logits[at] = v3_m_s[0][w][g], exp_sums[at] = v3_l_s[0][w][g];
+      }
+      continue;
+    }
+    const float m = partition_max(0, g, NUM_WARPS);
+    float l, acc;
+    partition_share(0, g, d, NUM_WARPS, m, l, acc);
+    if (num_supers == 1) {
+      out[row * HEAD_DIM + d] = from_float(acc / l);
+    } else {
+      const long long at = row * max_parts + part0 / FOLD_SPAN;
+      tmp_out[at * HEAD_DIM + d] = acc / l;
+      if (d == 0) max_logits[at] = m * LN2, exp_sums[at] = l;
+    }
   }
 }
 
@@ -1037,6 +1113,39 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
     if (V8) store_o(v3_o_s[q][warp], o8, V8_OFF + grp, false, h0, h1);
   };
 
+  // SPAN_FOLD: the warp's state of a later partition of the superpartition folded into its saved state, in
+  // partition order: M = max(m_saved, m), f_old = exp2(m_saved - M), f_new = exp2(m - M),
+  // l = fmaf(l, f_new, l_saved * f_old), p.V likewise; no barrier (a lane re-reads only the p.V it wrote, and the
+  // max / exp-sum the warp's lanes of grp 0 wrote, after a __syncwarp). paged_attention_reduce folds the partials
+  // of one partition a CTA with the same operations (fold_partials).
+  auto fold_partition = [&]() {
+#pragma unroll
+    for (int off = 4; off < PR_WARP; off *= 2) {
+      l0 += __shfl_xor_sync(PR_FULL_MASK, l0, off);
+      l1 += __shfl_xor_sync(PR_FULL_MASK, l1, off);
+    }
+    __syncwarp();
+    const int h0 = 2 * tig, h1 = 2 * tig + 1, g0 = min(h0, G - 1), g1 = min(h1, G - 1);
+    const float mo0 = v3_m_s[0][warp][g0], mo1 = v3_m_s[0][warp][g1];
+    const float lo0 = v3_l_s[0][warp][g0], lo1 = v3_l_s[0][warp][g1];
+    const float big0 = fmaxf(mo0, m0), big1 = fmaxf(mo1, m1);
+    const float fo0 = exp2_approx(mo0 - big0), fn0 = exp2_approx(m0 - big0);
+    const float fo1 = exp2_approx(mo1 - big1), fn1 = exp2_approx(m1 - big1);
+    __syncwarp();
+    if (grp == 0 && h0 < G) v3_m_s[0][warp][h0] = big0, v3_l_s[0][warp][h0] = fmaf(l0, fn0, lo0 * fo0);
+    if (grp == 0 && h1 < G) v3_m_s[0][warp][h1] = big1, v3_l_s[0][warp][h1] = fmaf(l1, fn1, lo1 * fo1);
+#pragma unroll
+    for (int c = 0; c < VCH; ++c)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) fold_o(v3_o_s[0][warp], o[c][j], 64 * c + 8 * grp + 2 * j, true, h0, h1, fo0, fn0, fo1, fn1);
+    if (V32) {
+      fold_o(v3_o_s[0][warp], o32[0], V32_OFF + 4 * grp, true, h0, h1, fo0, fn0, fo1, fn1);
+      fold_o(v3_o_s[0][warp], o32[1], V32_OFF + 4 * grp + 2, true, h0, h1, fo0, fn0, fo1, fn1);
+    }
+    if (V16) fold_o(v3_o_s[0][warp], o16, V16_OFF + 2 * grp, true, h0, h1, fo0, fn0, fo1, fn1);
+    if (V8) fold_o(v3_o_s[0][warp], o8, V8_OFF + grp, false, h0, h1, fo0, fn0, fo1, fn1);
+  };
+
   KSlab kt;
   VSlab vt;
   if (warp < num_slabs) {
@@ -1107,7 +1216,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
     // memory, and the next partition starts afresh, with no barrier. Before the next V is loaded: this V's
     // registers are free then, and the next K is already on the way.
     if (next >= num_slabs || slab % SLABS_PER_PART >= SLABS_PER_PART - NUM_WARPS) {
+#if SPAN_FOLD
+      if (slab < SLABS_PER_PART) save_partition(0); else fold_partition();
+#else
       save_partition(slab / SLABS_PER_PART);
+#endif
       m0 = m1 = neg_inf();
       l0 = l1 = 0.f;
 #pragma unroll
@@ -1130,11 +1243,20 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
 #endif
 #if SPAN_SLOTS == 1
   save_partition(0);  // one partition: after the loop, as before spans (fewer registers); a warp with no slab saves its zeros
+#elif SPAN_FOLD
+  if (warp >= num_slabs) {  // a warp with no slab saves an empty state (as constants: o is not kept past the loop)
+    for (int i = lane; i < G * HEAD_DIM; i += PR_WARP) v3_o_s[0][warp][i / HEAD_DIM][i % HEAD_DIM] = 0.f;
+    if (lane < G) v3_m_s[0][warp][lane] = neg_inf(), v3_l_s[0][warp][lane] = 0.f;
+  }
 #endif
   __syncthreads();
 
+#if SPAN_FOLD
+  write_folded(out, tmp_out, max_logits, exp_sums, (long long)s * num_heads + head0, num_parts, max_parts, part0);
+#else
   write_partitions(out, tmp_out, max_logits, exp_sums, (long long)s * num_heads + head0, num_parts, max_parts, part0,
                    span, num_slabs);
+#endif
 #if MERGE_IN_KERNEL
   if (num_parts == 1) return;  // the output is written: no partials, no counter
   __shared__ int is_last;
@@ -1167,6 +1289,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
 constexpr int REDUCE_CHUNK = PR_WARP;                            // partitions a warp has in flight at once
 constexpr int REDUCE_SLICES = (HEAD_DIM + PR_WARP - 1) / PR_WARP;  // warps per (sequence, head) row
 
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_reduce(
     scalar_t *__restrict__ out, const float *__restrict__ tmp_out, const float *__restrict__ max_logits,
     const float *__restrict__ exp_sums, const int *__restrict__ context_lens, int num_heads, int max_parts, int span) {
@@ -1193,7 +1316,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_reduce
     for (int u = 0; u < REDUCE_CHUNK; ++u) o_c[u] = p0 + u < max_parts ? __ldcg(o + (long long)(p0 + u) * HEAD_DIM) : 0.f;
   };
   load_chunk(0);
-  const int num_parts = (ctx + PARTITION_SIZE - 1) / PARTITION_SIZE;
+  // What a partial covers: a partition, or with SPAN_FOLD a superpartition of FOLD_SPAN (span == FOLD_SPAN).
+  const int unit = SPAN_FOLD ? FOLD_SPAN * PARTITION_SIZE : PARTITION_SIZE;
+  const int num_parts = (ctx + unit - 1) / unit;
   // No test before the first chunk is used: the compiler would sink its loads below an early return for rows of
   // one partition (a second round trip on every row); the test comes at the store.
   float m = lane < num_parts ? m_p : neg_inf();  // M: the largest partition max (exact in any order)
@@ -1214,7 +1339,134 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_reduce
     if (p0 >= num_parts) break;
     load_chunk(p0);
   }
-  if (num_parts <= span || d >= HEAD_DIM) return;  // v2/v3 wrote this row directly (one CTA computed all its partitions)
+  if (num_parts <= (SPAN_FOLD ? 1 : span) || d >= HEAD_DIM) return;  // v2/v3 wrote this row directly (one CTA computed all its partitions)
   out[row * HEAD_DIM + d] = from_float(acc / total);
 }
 
+#if DECODE_MMA && SPAN_FOLD
+// The folded tree's partials of one partition a CTA ([row, partition, warp]: write_folded), merged: per
+// superpartition, each warp's states folded in partition order with v3's fold_partition operations (a warp with
+// no slab in a partition, max -inf, is skipped: v3 never folds it), the warps merged as write_folded merges them
+// (o = acc / l, max m, exp-sum l), then the superpartitions merged as paged_attention_reduce merges partitions
+// (w = l * expf(m ln 2 - M), total += w, acc = fmaf(w, o, acc), increasing order; a context of one superpartition
+// is its o). The same operations in the same order as CTAs that compute whole superpartitions: the same bits
+// (tests/test_kernels_gpu.py).
+// Launch: grid (num_seqs, num_heads * REDUCE_SLICES), a CTA per 32 dims of a (sequence, head) row, lane = dim.
+// Its warps fold different superpartitions (warp k: k, k + 4, ...; the next one's 16 states loading while one is
+// folded; the first ones issued beside the context length's load, before the row's partition count is known),
+// and warp 0 merges them in order from shared memory: about one round trip to L2 up to 64 partitions.
+constexpr int FOLD_STATES = FOLD_SPAN * NUM_WARPS;  // (partition, warp) states of a superpartition
+constexpr int FOLD_ROUND = 4;                       // superpartitions a warp folds a round
+static_assert(FOLD_STATES <= PR_WARP, "a lane loads one state's max and exp-sum");
+struct SuperStates {
+  float m, l, o[FOLD_STATES];  // lane j < FOLD_STATES: state j's max (log2 units) and exp-sum; o[i]: state i's p.V at this lane's dim
+};
+__device__ __forceinline__ void load_super(SuperStates &st, const float *ml, const float *es, const float *o, int sp,
+                                           int num_states, int lane) {
+  const int first = sp * FOLD_STATES;
+  const bool mine = lane < FOLD_STATES && first + lane < num_states;
+  st.m = mine ? __ldcg(ml + first + lane) : neg_inf();  // past the context: -inf, never folded
+  st.l = mine ? __ldcg(es + first + lane) : 0.f;
+#pragma unroll
+  for (int i = 0; i < FOLD_STATES; ++i) st.o[i] = first + i < num_states ? __ldcg(o + (long long)(first + i) * HEAD_DIM) : 0.f;
+}
+
+// One superpartition: (o, m, l) as write_folded computes them from a CTA's slot.
+__device__ __forceinline__ void fold_super(const SuperStates &st, float &o_sp, float &m, float &l) {
+  float fm[NUM_WARPS], fl[NUM_WARPS], fo[NUM_WARPS];
+#pragma unroll
+  for (int w = 0; w < NUM_WARPS; ++w)
+    fm[w] = __shfl_sync(PR_FULL_MASK, st.m, w), fl[w] = __shfl_sync(PR_FULL_MASK, st.l, w), fo[w] = st.o[w];
+#pragma unroll
+  for (int i = NUM_WARPS; i < FOLD_STATES; ++i) {
+    const int w = i % NUM_WARPS;
+    const float mi = __shfl_sync(PR_FULL_MASK, st.m, i), li = __shfl_sync(PR_FULL_MASK, st.l, i);
+    if (mi == neg_inf()) continue;  // no slab of warp w in that partition (or past the context): warp-uniform
+    const float M = fmaxf(fm[w], mi), f_old = exp2_approx(fm[w] - M), f_new = exp2_approx(mi - M);
+    fl[w] = fmaf(li, f_new, fl[w] * f_old);
+    fo[w] = fmaf(st.o[i], f_new, fo[w] * f_old);
+    fm[w] = M;
+  }
+  m = fm[0];  // partition_max, then partition_share
+#pragma unroll
+  for (int w = 1; w < NUM_WARPS; ++w) m = fmaxf(m, fm[w]);
+  float a = 0.f;
+  l = 0.f;
+#pragma unroll
+  for (int w = 0; w < NUM_WARPS; ++w) {
+    const float f = exp2_approx(fm[w] - m);
+    l = fmaf(fl[w], f, l);
+    a = fmaf(fo[w], f, a);
+  }
+  o_sp = a / l;
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_fold_reduce(
+    scalar_t *__restrict__ out, const float *__restrict__ tmp_out, const float *__restrict__ max_logits,
+    const float *__restrict__ exp_sums, const int *__restrict__ context_lens, int num_heads, int max_parts) {
+#if PDL
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // v3's programmatic dependent, as paged_attention_reduce
+#endif
+  constexpr int PER_ROUND = NUM_WARPS * FOLD_ROUND;  // superpartitions a round folds
+  __shared__ float fs_o[PER_ROUND][PR_WARP], fs_m[PER_ROUND], fs_l[PER_ROUND];
+  __shared__ float big_s[NUM_WARPS];
+  const int s = blockIdx.x, h = blockIdx.y / REDUCE_SLICES, warp = threadIdx.x / PR_WARP, lane = threadIdx.x % PR_WARP;
+  const int d = blockIdx.y % REDUCE_SLICES * PR_WARP + lane;
+  const long long row = (long long)s * num_heads + h;
+  const float *ml = max_logits + row * max_parts * NUM_WARPS, *es = exp_sums + row * max_parts * NUM_WARPS;
+  const float *o = tmp_out + row * max_parts * NUM_WARPS * HEAD_DIM + min(d, HEAD_DIM - 1);  // past HEAD_DIM: unstored
+  const int cap = max_parts * NUM_WARPS;  // states the row's partials hold; those past its context are masked below
+  SuperStates cur, nxt;
+  load_super(cur, ml, es, o, warp, cap, lane);  // in flight with the context length's load
+  const int num_parts = (context_lens[s] + PARTITION_SIZE - 1) / PARTITION_SIZE;
+  if (num_parts <= 1) return;  // v3 wrote this row (the whole CTA leaves)
+  const int num_supers = (num_parts + FOLD_SPAN - 1) / FOLD_SPAN, num_states = num_parts * NUM_WARPS;
+  // M: the largest max over every (partition, warp) (exact in any order; rounding m * ln 2 keeps the order). One
+  // round takes it from its superpartitions' maxima; more rounds need it first.
+  float big = neg_inf();
+  if (num_supers > PER_ROUND) {
+    for (int i = threadIdx.x; i < num_states; i += NUM_THREADS) big = fmaxf(big, __ldcg(ml + i));
+    big = group_max<PR_WARP>(big);
+    if (lane == 0) big_s[warp] = big;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) big = fmaxf(big, big_s[w]);
+    big = __fmul_rn(big, LN2);
+  }
+  float total = 0.f, acc = 0.f, only = 0.f;  // warp 0's
+  for (int sp0 = 0; sp0 < num_supers; sp0 += PER_ROUND) {
+#pragma unroll
+    for (int r = 0; r < FOLD_ROUND; ++r) {  // superpartition sp0 + r * NUM_WARPS + warp (warp-uniform)
+      const int k = r * NUM_WARPS + warp, sp = sp0 + k;
+      if (sp >= num_supers) break;
+      if (r + 1 < FOLD_ROUND && sp + NUM_WARPS < num_supers) load_super(nxt, ml, es, o, sp + NUM_WARPS, cap, lane);
+      if (sp * FOLD_STATES + lane >= num_states) cur.m = neg_inf();  // past the context: never folded
+      float o_sp, m, l;
+      fold_super(cur, o_sp, m, l);
+      fs_o[k][lane] = o_sp;
+      if (lane == 0) fs_m[k] = m, fs_l[k] = l;
+      if (r + 1 < FOLD_ROUND) cur = nxt;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      const int n = min(PER_ROUND, num_supers - sp0);
+      if (num_supers <= PER_ROUND) {
+        for (int k = 0; k < n; ++k) big = fmaxf(big, fs_m[k]);
+        big = __fmul_rn(big, LN2);
+      }
+      for (int k = 0; k < n; ++k) {
+        const float o_k = fs_o[k][lane];
+        const float w = __fmul_rn(fs_l[k], expf(__fmul_rn(fs_m[k], LN2) - big));  // as a superpartition's partial is weighed
+        only = o_k;
+        total += w;
+        acc = fmaf(w, o_k, acc);
+      }
+    }
+    if (sp0 + PER_ROUND < num_supers) {
+      __syncthreads();  // the round's slots are read
+      load_super(cur, ml, es, o, sp0 + PER_ROUND + warp, cap, lane);
+    }
+  }
+  if (warp == 0 && d < HEAD_DIM) out[row * HEAD_DIM + d] = from_float(num_supers == 1 ? only : acc / total);
+}
+#endif  // DECODE_MMA && SPAN_FOLD

@@ -100,11 +100,39 @@ def test_pdl_is_a_compile_time_knob_of_v3_on_by_default():
     assert "PDL" not in dict(build.mma_decode_config("bfloat16", 128, 16, 4, build.MmaTuning(pdl=False)).defines)
 
 
-def test_a_grid_that_fills_the_gpu_with_whole_contexts_takes_spans_that_hold_them():
-    # span_schedule: the shortest span (2 or 4 partitions a CTA) that holds every context, so that no reduce
+def test_the_folded_tree_takes_a_cta_per_superpartition_where_the_grid_stays_large():
+    # The default tree folds partitions into superpartitions of MAX_SPAN (4): a CTA computes a whole one (its warps
+    # fold in the slab loop: no partials, no slots) where the grid keeps FOLD_FILL CTAs per SM, otherwise one
+    # partition a CTA and the reduce kernel folds (more CTAs for a few long sequences). The same bits either way.
+    rule = lambda seqs, parts, **kw: build.span_schedule(build.MmaTuning(**kw), 128, 4, 16, 8 * seqs, parts, 132)  # noqa: E731
+    assert build.MmaTuning().fold and build.MAX_SPAN == 4
+    assert rule(64, 4) == rule(64, 3) == rule(8, 32) == rule(32, 8) == 4  # 512 / 512 / 512 / 512 CTAs
+    assert rule(1, 128) == rule(16, 8) == 4  # 256 CTAs: at least 1.9 an SM
+    assert rule(8, 4) == rule(1, 4) == rule(1, 16) == rule(4, 16) == 1  # 64, 8, 32, 128 CTAs: a CTA per partition
+    assert rule(256, 1) == 1  # one partition: nothing to fold
+    assert rule(1, 4, span=4) == 4 and rule(64, 4, span=1) == 1 and rule(64, 4, span=2) == 1  # forced: 1 or 4
+    # Where the loop's fold would spill (or a slab spans blocks, or more than 4 heads a CTA): one partition a CTA.
+    for head_dim in build.FOLD_SPILLS:
+        assert build.span_schedule(build.MmaTuning(), head_dim, 4, 16, 8 * 64, 4, 132) == 1
+    assert build.span_schedule(build.MmaTuning(span=4), 128, 8, 16, 8 * 64, 4, 132) == 1
+    assert build.span_schedule(build.MmaTuning(span=4), 128, 4, 8, 8 * 64, 4, 132) == 1
+    # One state slot whatever the span (11 KB of shared memory at head_dim 128, where the unfolded span took 35.5).
+    four = build.mma_decode_config("bfloat16", 128, 16, 4)
+    assert dict(four.defines)["SPAN_SLOTS"] == 4 and dict(four.defines)["SPAN_FOLD"] == 1
+    one = build.span_build(build.MmaTuning(), 1)
+    assert dict(build.mma_decode_config("bfloat16", 128, 16, 4, one).defines)["SPAN_SLOTS"] == 1
+    assert {build.mma_decode_config(d, h, 16, 4, t) for d in ("float16", "bfloat16") for h in splitk.MMA_HEAD_DIMS
+            for t in (one, build.MmaTuning())} <= set(build.ci_configs())
+    with pytest.raises(ValueError, match="fold=False"):
+        build.mma_decode_config("bfloat16", 128, 16, 4, build.MmaTuning(merge_in_kernel=True))
+
+
+def test_the_unfolded_tree_takes_spans_that_hold_whole_contexts():
+    # fold=False (each partition merged over its warps, then the partitions): the shortest span (2 or 4 partitions
+    # a CTA, each partition's warp states in a shared-memory slot) that holds every context, so that no reduce
     # kernel follows, where a CTA per (sequence, head group) still keeps SPAN_FILL of the CTA slots busy (4 CTAs
     # per SM at head_dim 128: 475). 64 x 4096 tokens, 32 / 8 heads: 512 CTAs of four partitions.
-    rule = lambda seqs, parts, **kw: build.span_schedule(build.MmaTuning(**kw), 128, 4, 16, 8 * seqs, parts, 132)  # noqa: E731
+    rule = lambda seqs, parts, **kw: build.span_schedule(build.MmaTuning(fold=False, **kw), 128, 4, 16, 8 * seqs, parts, 132)  # noqa: E731
     assert rule(64, 4) == rule(128, 3) == 4 and rule(256, 2) == 2
     assert rule(8, 32) == rule(64, 5) == 1  # no span holds the context: one partition a CTA, the reduce merges
     assert rule(8, 4) == rule(1, 4) == 1  # 64 or 8 CTAs would leave most SMs idle
@@ -112,19 +140,18 @@ def test_a_grid_that_fills_the_gpu_with_whole_contexts_takes_spans_that_hold_the
     assert rule(64, 4, span=1) == 1 and rule(1, 4, span=4) == 4  # forced (benchmark candidates)
     assert rule(64, 4, merge_in_kernel=True) == 1  # its counters count partition CTAs
     # Where the state a span keeps would not fit (or would spill): one partition a CTA whatever the grid.
-    assert build.span_schedule(build.MmaTuning(span=4), 128, 8, 16, 8 * 64, 4, 132) == 1
-    assert build.span_schedule(build.MmaTuning(span=4), 128, 4, 8, 8 * 64, 4, 132) == 1
-    assert build.span_slots(256, 4, 16) == 2 and build.span_slots(64, 4, 32) == 4
+    unfolded = build.MmaTuning(fold=False, span=4)
+    assert build.span_schedule(unfolded, 128, 8, 16, 8 * 64, 4, 132) == 1
+    assert build.span_schedule(unfolded, 128, 4, 8, 8 * 64, 4, 132) == 1
+    assert build.span_slots(256, 4, 16, unfolded) == 2 and build.span_slots(64, 4, 32, unfolded) == 4
     # A build with spans is a different binary; without them (slots 1) the kernel saves its state after its loop.
-    assert dict(build.mma_decode_config("bfloat16", 128, 16, 4).defines)["SPAN_SLOTS"] == 4
-    assert dict(build.mma_decode_config("bfloat16", 128, 8, 4).defines)["SPAN_SLOTS"] == 1
-    # A launch of one partition a CTA runs the build without spans (span_build; the same operations), a span the
-    # build with them; both are in CI's compile list.
-    one, four = build.span_build(build.MmaTuning(), 1), build.span_build(build.MmaTuning(), 4)
+    t = build.MmaTuning(fold=False)
+    assert dict(build.mma_decode_config("bfloat16", 128, 16, 4, t).defines)["SPAN_SLOTS"] == 4
+    assert dict(build.mma_decode_config("bfloat16", 128, 8, 4, t).defines)["SPAN_SLOTS"] == 1
+    one, four = build.span_build(t, 1), build.span_build(t, 4)
     assert dict(build.mma_decode_config("bfloat16", 128, 16, 4, one).defines)["SPAN_SLOTS"] == 1
-    assert four == build.MmaTuning() and one.partition_size == four.partition_size
-    assert {build.mma_decode_config(d, h, 16, 4, t) for d in ("float16", "bfloat16") for h in splitk.MMA_HEAD_DIMS
-            for t in (one, four)} <= set(build.ci_configs())
+    assert four == t and one.partition_size == four.partition_size
+    assert {build.decode_config("bfloat16", 128, 16, 4, x) for x in (one, four)} <= set(build.ci_configs())
 
 
 def test_a_grid_of_at_most_one_cta_per_sm_takes_the_prefetch_build_and_nothing_else_changes():

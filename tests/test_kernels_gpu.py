@@ -109,7 +109,7 @@ def test_every_candidate_tuning(name, dtype):
     out = decode(p, version=tuning.version, tuning=tuning, out=torch.full_like(p.q, float("nan")))
     check(out, p, dtype)
     if tuning.version == 3:  # the reduce kernel merges (merge_in_kernel and pdl are schedules: same bits)
-        same_arithmetic = build.MmaTuning(partition_size=tuning.partition_size)
+        same_arithmetic = build.MmaTuning(partition_size=tuning.partition_size, fold=tuning.fold)
     else:
         same_arithmetic = build.DecodeTuning(partition_size=tuning.partition_size,
                                              threads_per_token=tuning.threads_per_token or 8)
@@ -202,7 +202,8 @@ def test_a_small_grid_prefetches_and_keeps_the_bits():
         assert T.same_bits(decode(T.permute_blocks(sub, seed=len(seqs)), tuning=off), rows)
 
 
-# The schedules of the merge, each the bits of the reduce kernel launched after v3: the last partition CTA merges
+# The unfolded tree's (fold=False) schedules of the merge, each the bits of the reduce kernel launched after v3: the
+# last partition CTA merges
 # (ticket counters), or the reduce kernel is launched as v3's programmatic dependent (PDL, the default: resident
 # under v3's last CTAs, it waits for v3), or a CTA computes 2 or 4 of a sequence's partitions in turn and merges
 # them itself when they are the whole context (build.span_schedule; spans are capped to 1 where the config has no
@@ -211,8 +212,9 @@ SCHEDULES = {"in kernel": dict(merge_in_kernel=True), "pdl": dict(pdl=True), "sp
              "span 4": dict(span=4), "span 4 pdl": dict(span=4, pdl=True)}
 
 
-def merged(partition_size: int, schedule: str | None = None) -> build.MmaTuning:
-    return build.MmaTuning(partition_size=partition_size, **{"span": 1, "pdl": False, **SCHEDULES.get(schedule, {})})
+def merged(partition_size: int, schedule: str | None = None) -> build.MmaTuning:  # the unfolded tree (fold=False)
+    return build.MmaTuning(partition_size=partition_size,
+                           **{"span": 1, "pdl": False, "fold": False, **SCHEDULES.get(schedule, {})})
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
@@ -241,17 +243,45 @@ def test_merge_schedules_are_bitwise_the_reduce_kernel(schedule, partition_size,
         assert T.same_bits(decode(T.select(p, seqs), tuning=fused), two_launch[torch.tensor(seqs, device="cuda")])
 
 
+@pytest.mark.parametrize("partition_size", [512, 1024])
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,block_size,dtype",
+                         [(128, 32, 8, 16, torch.bfloat16), (96, 12, 4, 32, torch.float16), (256, 16, 2, 16, torch.bfloat16),
+                          (80, 8, 2, 16, torch.float16), (112, 8, 8, 32, torch.bfloat16), (64, 8, 2, 16, torch.bfloat16)])
+def test_the_folded_tree_gives_the_same_bits_from_a_cta_per_superpartition_or_per_partition(
+        partition_size, head_dim, num_heads, num_kv_heads, block_size, dtype):
+    # The default tree: each warp's states folded over a superpartition's 4 partitions, in the CTA that computes
+    # the whole superpartition (span 4) or by the reduce kernel from one partition a CTA (span 1), with the same
+    # operations in the same order: the same bits, launched after v3 or as its programmatic dependent, under any
+    # block placement and batch. Contexts: one partition (written directly), a superpartition of 1-4 partitions,
+    # one token past a superpartition (its warps 1-3 fold nothing), partial and many superpartitions.
+    P = partition_size
+    p = T.make_problem([1, P, P + 1, 3 * P - 5, 4 * P, 4 * P + 1, 7 * P + 100, 40, 11 * P - 3, 17 * P + 9],
+                       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                       dtype=dtype, seed=P + head_dim)
+    folded = lambda span, pdl=True: build.MmaTuning(partition_size=P, span=span, pdl=pdl)  # noqa: E731
+    ref = decode(p, tuning=folded(1, pdl=False), out=torch.full_like(p.q, float("nan")))
+    check(ref, p, dtype)
+    for t in (folded(4), folded(4, pdl=False), folded(1), folded(None)):
+        assert T.same_bits(decode(p, tuning=t, out=torch.full_like(p.q, float("nan"))), ref)
+    for t in (folded(1), folded(4)):
+        assert T.same_bits(decode(T.permute_blocks(p, seed=P), tuning=t), ref)
+        for seqs in ([9], [3, 0, 9], [5, 2, 1], [2, 5], [6, 1, 8]):
+            assert T.same_bits(decode(T.select(p, seqs), tuning=t), ref[torch.tensor(seqs, device="cuda")])
+    # The unfolded tree is another order of the same sums: other bits, within the same tolerance.
+    check(decode(p, tuning=build.MmaTuning(partition_size=P, fold=False)), p, dtype)
+
+
 def test_a_large_grid_spans_partitions_and_keeps_the_bits():
-    # 32 / 8 heads, contexts of 2-4 partitions: 64 sequences fill an H200's CTA slots with a CTA per context (4
-    # partitions a CTA, merged there: build.span_schedule), a few sequences keep one partition a CTA. Each sequence
-    # gets the same bits either way, alone or in any batch, under any block placement, and the same as with one
-    # partition a CTA.
+    # 32 / 8 heads, contexts of 2-4 partitions: 64 sequences fill an H200 with a CTA per context (one superpartition
+    # folded there: build.span_schedule), a few sequences keep one partition a CTA (the reduce kernel folds). Each
+    # sequence gets the same bits either way, alone or in any batch, under any block placement, and the same as
+    # with one partition a CTA.
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator().manual_seed(42)
     lens = torch.randint(2049, 4097, (64,), generator=gen).tolist()
     p = T.make_problem(lens[:60] + [4096, 1, 1024, 3000], num_heads=32, num_kv_heads=8, head_dim=128,
                        dtype=torch.bfloat16, seed=42)
-    fills = 8 * 64 >= build.SPAN_FILL * 4 * num_sms  # a CTA per (sequence, head group) fills 90% of the slots
+    fills = 8 * 64 >= build.FOLD_FILL * num_sms  # a CTA per (sequence, head group) keeps FOLD_FILL CTAs an SM
     assert build.span_schedule(build.MmaTuning(), 128, 4, 16, 8 * 64, 4, num_sms) == (4 if fills else 1)
     full = decode(p)
     assert T.same_bits(full, decode(p, tuning=build.MmaTuning(span=1)))

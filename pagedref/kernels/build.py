@@ -83,6 +83,10 @@ class MmaTuning:
     small_grid_prefetch: bool = True  # a grid of at most one CTA per SM runs small_grid_schedule's build; same bits
     span: int | None = None  # partitions per CTA, computed in turn (None: span_schedule's rule from the grid); same bits
     max_span: int = MAX_SPAN  # span slots compiled in (SPAN_SLOTS; 1: the build without spans); same bits
+    # The folded tree (the default): partitions in superpartitions of MAX_SPAN, each warp's partition states folded
+    # in order, then merged over the warps (cuda/paged_attention.cu, write_folded). Other bits than fold=False, where
+    # each partition is merged over its warps first; both are fixed by the sequence alone.
+    fold: bool = True
 
 
 def decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta: int,
@@ -103,18 +107,24 @@ def mma_decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta:
     if not mma_supported(ELEM_SIZE[dtype], head_dim):
         raise ValueError(f"the tensor-core decode kernel (v3) takes float16/bfloat16 K/V with head_dim in "
                          f"{MMA_HEAD_DIMS}, got {dtype} with head_dim {head_dim}")
+    if tuning.fold and tuning.merge_in_kernel:
+        raise ValueError("the in-kernel merge merges partitions: it takes MmaTuning(fold=False)")
     min_ctas = tuning.min_ctas_per_sm or MMA_MIN_CTAS_PER_SM[head_dim]
     return KernelConfig("paged_attention.cu", (
         ("PR_DTYPE", DTYPE_CODES[dtype]), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),
         ("HEADS_PER_CTA", heads_per_cta), ("PARTITION_SIZE", tuning.partition_size), ("MIN_CTAS_PER_SM", min_ctas),
         ("KV_LOAD_HINT", int(tuning.load_hint)), ("KV_PREFETCH", int(tuning.prefetch)), ("DECODE_MMA", 1),
         ("SPAN_SLOTS", span_slots(head_dim, heads_per_cta, block_size, tuning)),
-        *((("KV_EVICT_FIRST", 1),) if tuning.evict_first else ()),
+        *((("KV_EVICT_FIRST", 1),) if tuning.evict_first else ()), *((("SPAN_FOLD", 1),) if tuning.fold else ()),
         *((("MERGE_IN_KERNEL", 1),) if tuning.merge_in_kernel else ()), *((("PDL", 1),) if tuning.pdl else ())))
 
 
 SPAN_SHARED_BYTES = 40 << 10  # static shared memory the span's per-warp states may take (48 KB in all)
 SPAN_FILL = 0.9  # a span is taken only while the grid keeps at least this share of the GPU's CTA slots busy
+FOLD_FILL = 1.9  # the folded tree: a CTA per superpartition while the grid keeps at least this many CTAs per SM
+# Head dims where v3's folded superpartition build (its fold inside the slab loop) spills at its occupancy
+# (MMA_MIN_CTAS_PER_SM; nvcc's report, tests/test_kernels_cpu.py): they run one partition a CTA.
+FOLD_SPILLS = (64, 120)
 
 
 def span_slots(head_dim: int, heads_per_cta: int, block_size: int, tuning: MmaTuning = MmaTuning()) -> int:
@@ -124,9 +134,12 @@ def span_slots(head_dim: int, heads_per_cta: int, block_size: int, tuning: MmaTu
     loop, as before spans) with the in-kernel merge (its counters count partition CTAs), and where saving a
     partition's state inside the loop would spill at the occupancy MMA_MIN_CTAS_PER_SM asks: more than 4
     heads a CTA, or blocks smaller than a slab (a slab's rows then need a block number each); nvcc's
-    report, tests/test_kernels_cpu.py."""
+    report, tests/test_kernels_cpu.py. The folded tree (fold=True) keeps one folded state a warp whatever the
+    span, so its span is MAX_SPAN (one whole superpartition) wherever the loop's fold does not spill."""
     if tuning.merge_in_kernel or heads_per_cta > 4 or block_size < 16:
         return 1
+    if tuning.fold:  # one folded state a warp whatever the span: the whole superpartition, or one partition
+        return 1 if head_dim in FOLD_SPILLS else min(MAX_SPAN, tuning.max_span)
     return max(1, min(MAX_SPAN, tuning.max_span, SPAN_SHARED_BYTES // (4 * heads_per_cta * head_dim * 4)))
 
 
@@ -145,8 +158,21 @@ def span_schedule(tuning: MmaTuning, head_dim: int, heads_per_cta: int, block_si
     schedule, never a bit: the partitions are the same fixed spans of the sequence, each merged over its warps
     in warp order, and a CTA holding a whole context merges them with the reduce kernel's operations in its
     order (tests/test_kernels_gpu.py holds every span to the reduce kernel's bits). `tuning.span` forces it
-    (benchmark candidates), capped by span_slots."""
+    (benchmark candidates), capped by span_slots.
+
+    The folded tree (the default, fold=True) has two spans: MAX_SPAN, a CTA per superpartition (its warps fold
+    its partitions in the slab loop), while that grid keeps FOLD_FILL CTAs per SM; otherwise 1, a CTA per
+    partition, whose warps' states the fold reduce kernel folds (4x the CTAs for a few long sequences). Measured
+    on an H200 (2026-12-04 evening, docs/benchmarks.md): the superpartition CTAs read 1-2% faster than the
+    unfolded tree at 512 CTAs ((64, 4096), (8, 32768)) and at 256 ((1, 131072), (16, 8192) level), and are
+    2-3x slower at 8-64 CTAs, where one partition a CTA runs. The same bits either way
+    (tests/test_kernels_gpu.py)."""
     slots = span_slots(head_dim, heads_per_cta, block_size, tuning)
+    if tuning.fold:  # a CTA per superpartition, or per partition (the reduce kernel folds): the same bits
+        if tuning.span is not None:
+            return MAX_SPAN if tuning.span >= MAX_SPAN and slots == MAX_SPAN else 1
+        ctas = num_groups * -(-max_parts // MAX_SPAN)
+        return MAX_SPAN if max_parts > 1 and slots == MAX_SPAN and ctas >= FOLD_FILL * num_sms else 1
     if tuning.span is not None:
         return max(1, min(tuning.span, slots))
     fill = max(num_sms, SPAN_FILL * (tuning.min_ctas_per_sm or MMA_MIN_CTAS_PER_SM[head_dim]) * num_sms)
@@ -204,18 +230,21 @@ CANDIDATES: dict[str, DecodeTuning | MmaTuning] = {
     "v3 mma p512 prefetch": MmaTuning(partition_size=512, prefetch=True, min_ctas_per_sm=3),
     "v3 mma p2048": MmaTuning(partition_size=2048),
     # the last partition CTA merges (no reduce launch): same bits as the same partitions merged by the reduce kernel
-    "v3 mma merge in kernel": MmaTuning(merge_in_kernel=True),
-    "v3 mma p2048 merge in kernel": MmaTuning(partition_size=2048, merge_in_kernel=True),
-    "v3 mma p4096 merge in kernel": MmaTuning(partition_size=4096, merge_in_kernel=True),
+    "v3 mma merge in kernel": MmaTuning(merge_in_kernel=True, fold=False),
+    "v3 mma p2048 merge in kernel": MmaTuning(partition_size=2048, merge_in_kernel=True, fold=False),
+    "v3 mma p4096 merge in kernel": MmaTuning(partition_size=4096, merge_in_kernel=True, fold=False),
     "v3 mma no pdl": MmaTuning(pdl=False),  # the reduce launched after v3 ends (the default before 2026-12-04)
     # the default without small_grid_schedule's prefetch build at grids of at most one CTA per SM (the same bits)
     "v3 mma no small-grid prefetch": MmaTuning(small_grid_prefetch=False),
     # K/V lines first out of L2: the block numbers and the partials the reduce kernel reads back stay in it
     "v3 mma evict first": MmaTuning(evict_first=True),
-    # a CTA per partition (the default before span_schedule), and two or four of a sequence's partitions per CTA
+    # a CTA per partition (the reduce kernel folds), and a CTA per superpartition (4 partitions folded in it)
     "v3 mma span1": MmaTuning(span=1),
-    "v3 mma span2": MmaTuning(span=2),
     "v3 mma span4": MmaTuning(span=4),
+    # the tree before 2026-12-04: each partition merged over its warps, spans of 1, 2 or 4 partitions a CTA in
+    # shared-memory slots (other bits)
+    "v3 mma unfolded": MmaTuning(fold=False),
+    "v3 mma unfolded span1": MmaTuning(fold=False, span=1),
 }
 
 

@@ -144,7 +144,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                 (_ptr(out), _ptr(q), *common, np.float32(scale)))
         return out
     f32 = dict(dtype=torch.float32, device=q.device)
-    rows = shape.num_seqs * shape.num_heads  # the partials: [rows, max_parts] (x head_dim for tmp_out)
+    # The partials: [rows, max_parts] (x head_dim for tmp_out); the folded tree's partials of one partition a CTA
+    # are its warps' states, [rows, max_parts, warps].
+    rows = shape.num_seqs * shape.num_heads * (_WARPS_PER_CTA if version == 3 and tuning.fold else 1)
     tmp_out = torch.empty(rows * max_parts * shape.head_dim, **f32)
     max_logits = torch.empty(rows * max_parts, **f32)
     exp_sums = torch.empty_like(max_logits)
@@ -156,7 +158,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _launch(config, f"paged_attention_v{version}", q.device, grid,
             (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(q), *common,
              np.int32(max_parts), np.float32(scale), *v3_args))
-    if max_parts > span and not merge_in_kernel:  # some context has partitions in more than one CTA
+    if version == 3 and tuning.fold and span == 1 and max_parts > 1:  # the reduce kernel folds the warps' states
+        _launch(config, "paged_attention_fold_reduce", q.device, (shape.num_seqs, shape.num_heads * -(-shape.head_dim // 32)),
+                (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(context_lens),
+                 np.int32(shape.num_heads), np.int32(max_parts)), pdl=tuning.pdl)
+    elif max_parts > span and not merge_in_kernel:  # some context has partitions in more than one CTA
         warps = shape.num_heads * -(-shape.head_dim // 32)  # a warp per 32 dims of a row (REDUCE_SLICES)
         _launch(config, "paged_attention_reduce", q.device, (shape.num_seqs, -(-warps // _WARPS_PER_CTA)),
                 (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(context_lens),

@@ -57,7 +57,7 @@ def check_attention(head_dims: set[int] | None = None, only: str | list[str] | N
             runs += [(f"decode {name} {label}", dec, lambda p=dec, t=t: run_decode(p, version=t.version, tuning=t))
                      for name, t in CANDIDATES.items()]
     # v3's in-kernel merge over more partitions than its shared-memory chunk of 32: 34 partitions of 512.
-    merge = MmaTuning(partition_size=512, merge_in_kernel=True)
+    merge = MmaTuning(partition_size=512, merge_in_kernel=True, fold=False)
     dec = testing.make_problem([1, 1100, 17000], num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16)
     runs += [("decode v3 merge in kernel, p512, 34 partitions", dec,
               lambda p=dec: run_decode(p, version=3, tuning=merge))]
@@ -65,10 +65,16 @@ def check_attention(head_dims: set[int] | None = None, only: str | list[str] | N
     # under v3's last CTAs, it waits for v3 in the kernel).
     no_pdl = MmaTuning(partition_size=512, pdl=False)
     runs += [("decode v3 no pdl, p512, 34 partitions", dec, lambda p=dec: run_decode(p, version=3, tuning=no_pdl))]
-    # Spans: 2 or 4 partitions a CTA, merged in the CTA for a context of up to that many, partials and the
-    # reduce past it (full spans and a partial last one), launched as v3's programmatic dependent or after it.
-    for name, t in (("span 2", MmaTuning(partition_size=512, span=2)), ("span 4", MmaTuning(partition_size=512, span=4)),
-                    ("span 4 no pdl", MmaTuning(partition_size=512, span=4, pdl=False))):
+    # The folded tree: a CTA per superpartition (folded in its slab loop; superpartition partials past one) or
+    # per partition (warp-state partials the reduce kernel folds), launched as v3's programmatic dependent or after.
+    # The unfolded tree's spans: 2 or 4 partitions a CTA, merged in the CTA for a context of up to that many,
+    # partials and the reduce past it (full spans and a partial last one).
+    for name, t in (("folded span 4", MmaTuning(partition_size=512, span=4)),
+                    ("folded span 1", MmaTuning(partition_size=512, span=1)),
+                    ("folded span 4 no pdl", MmaTuning(partition_size=512, span=4, pdl=False)),
+                    ("span 2", MmaTuning(partition_size=512, span=2, fold=False)),
+                    ("span 4", MmaTuning(partition_size=512, span=4, fold=False)),
+                    ("span 4 no pdl", MmaTuning(partition_size=512, span=4, pdl=False, fold=False))):
         runs += [(f"decode v3 {name}, p512, 34 partitions", dec, lambda p=dec, t=t: run_decode(p, version=3, tuning=t))]
     # v3's other shapes: block_size 8 (a 16-token slab spans two blocks), head_dim 64 and 256, 3 and
     # 8 query heads per CTA (empty mma columns; all eight used).
