@@ -271,6 +271,19 @@ def test_the_folded_tree_gives_the_same_bits_from_a_cta_per_superpartition_or_pe
     check(decode(p, tuning=build.MmaTuning(partition_size=P, fold=False)), p, dtype)
 
 
+def test_the_fold_reduce_merges_superpartitions_over_several_rounds():
+    # paged_attention_fold_reduce folds 16 superpartitions a round (4 warps x FOLD_ROUND); past that it takes the
+    # largest max first and merges round after round. 71 and 130 partitions of 512 tokens: 18 and 33
+    # superpartitions, two and three rounds, beside short contexts; the same bits as a CTA per superpartition.
+    P = 512
+    p = T.make_problem([70 * P + 3, 5, 130 * P - 7, 2 * P], num_heads=8, num_kv_heads=2, head_dim=128,
+                       dtype=torch.bfloat16, seed=71)
+    per_partition = decode(p, tuning=build.MmaTuning(partition_size=P, span=1), out=torch.full_like(p.q, float("nan")))
+    check(per_partition, p, torch.bfloat16)
+    assert T.same_bits(per_partition, decode(p, tuning=build.MmaTuning(partition_size=P, span=4)))
+    assert T.same_bits(per_partition[2:3], decode(T.select(p, [2]), tuning=build.MmaTuning(partition_size=P, span=1)))
+
+
 def test_a_large_grid_spans_partitions_and_keeps_the_bits():
     # 32 / 8 heads, contexts of 2-4 partitions: 64 sequences fill an H200 with a CTA per context (one superpartition
     # folded there: build.span_schedule), a few sequences keep one partition a CTA (the reduce kernel folds). Each
