@@ -69,8 +69,8 @@ MAX_SPAN = 4  # partitions one v3 CTA may compute in turn
 @dataclass(frozen=True)
 class MmaTuning:
     """The tensor-core decode kernel's (v3) fixed design constants, under the same rule: only
-    partition_size changes the arithmetic; the others (load hints, prefetch, where and when the merge runs) only
-    the schedule."""
+    partition_size and fold (the merge's tree) change the arithmetic; the others (load hints, prefetch, where and
+    when the merge runs, the span) only the schedule."""
 
     version: ClassVar[int] = 3
     partition_size: int = MMA_PARTITION_SIZE
