@@ -1113,11 +1113,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
     if (V8) store_o(v3_o_s[q][warp], o8, V8_OFF + grp, false, h0, h1);
   };
 
+#if SPAN_FOLD && SPAN_SLOTS > 1
   // SPAN_FOLD: the warp's state of a later partition of the superpartition folded into its saved state, in
   // partition order: M = max(m_saved, m), f_old = exp2(m_saved - M), f_new = exp2(m - M),
   // l = fmaf(l, f_new, l_saved * f_old), p.V likewise; no barrier (a lane re-reads only the p.V it wrote, and the
-  // max / exp-sum the warp's lanes of grp 0 wrote, after a __syncwarp). paged_attention_reduce folds the partials
-  // of one partition a CTA with the same operations (fold_partials).
+  // max / exp-sum the warp's lanes of grp 0 wrote, after a __syncwarp). paged_attention_fold_reduce folds the
+  // partials of one partition a CTA with the same operations (fold_super).
   auto fold_partition = [&]() {
 #pragma unroll
     for (int off = 4; off < PR_WARP; off *= 2) {
@@ -1145,6 +1146,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
     if (V16) fold_o(v3_o_s[0][warp], o16, V16_OFF + 2 * grp, true, h0, h1, fo0, fn0, fo1, fn1);
     if (V8) fold_o(v3_o_s[0][warp], o8, V8_OFF + grp, false, h0, h1, fo0, fn0, fo1, fn1);
   };
+#endif
 
   KSlab kt;
   VSlab vt;
