@@ -874,7 +874,7 @@ __device__ __forceinline__ void write_partitions(scalar_t *__restrict__ out, flo
 // a partition's. A context of one partition, or a CTA holding a context's one superpartition, writes the output:
 // acc / l. Otherwise a superpartition CTA writes its share as a partition's (o = acc / l, its max in natural-log
 // units, its exp-sum) at index part0 / FOLD_SPAN, and a CTA of one partition writes its warps' states as they are
-// ([row, partition, warp]: p.V unnormalized, max in log2 units, exp-sum), for paged_attention_reduce to fold.
+// ([row, partition, warp]: p.V unnormalized, max in log2 units, exp-sum), for paged_attention_fold_reduce to fold.
 __device__ __forceinline__ void write_folded(scalar_t *__restrict__ out, float *__restrict__ tmp_out,
                                              float *__restrict__ max_logits, float *__restrict__ exp_sums,
                                              long long row0, int num_parts, int max_parts, int part0) {
@@ -1290,7 +1290,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
 // trips at (8 sequences, 32768 tokens)).
 constexpr int REDUCE_CHUNK = PR_WARP;                            // partitions a warp has in flight at once
 constexpr int REDUCE_SLICES = (HEAD_DIM + PR_WARP - 1) / PR_WARP;  // warps per (sequence, head) row
-
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_reduce(
     scalar_t *__restrict__ out, const float *__restrict__ tmp_out, const float *__restrict__ max_logits,
