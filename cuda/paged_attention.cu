@@ -777,20 +777,31 @@ __device__ __forceinline__ void store_o(float (*o_s)[HEAD_DIM], const float (&o)
   }
 }
 
-// SPAN_FOLD: this lane's C fragment of one band folded into the warp's saved state (the very elements store_o
-// wrote from this lane, so no other lane's write is read): saved = fmaf(o, f_new, saved * f_old).
-__device__ __forceinline__ void fold1(float *p, float o, float fo, float fn) {
-  *p = fmaf(o, fn, *p * fo);
+// SPAN_FOLD's one rule, written once (v3's fold_partition and the fold reduce's fold_super use it): a later state
+// (m', l', x') folded into a saved one (m, l, x) of the same warp: M = max(m, m'), every sum x (the exp-sum and each
+// p.V) becomes fmaf(x', exp2(m' - M), x * exp2(m - M)), the max M.
+struct FoldWeights {
+  float big, f_old, f_new;  // M, exp2(m - M), exp2(m' - M)
+};
+__device__ __forceinline__ FoldWeights fold_weights(float m_saved, float m_later) {
+  const float big = fmaxf(m_saved, m_later);
+  return {big, exp2_approx(m_saved - big), exp2_approx(m_later - big)};
 }
+__device__ __forceinline__ float fold(float saved, float later, const FoldWeights &f) {
+  return fmaf(later, f.f_new, saved * f.f_old);
+}
+
+// SPAN_FOLD: this lane's C fragment of one band folded into the warp's saved state (the very elements store_o
+// wrote from this lane, so no other lane's write is read).
 __device__ __forceinline__ void fold_o(float (*o_s)[HEAD_DIM], const float (&o)[4], int d, bool has_d1, int h0, int h1,
-                                       float fo0, float fn0, float fo1, float fn1) {
+                                       const FoldWeights &f0, const FoldWeights &f1) {
   if (h0 < G) {
-    fold1(&o_s[h0][d], o[0], fo0, fn0);
-    if (has_d1) fold1(&o_s[h0][d + 1], o[2], fo0, fn0);
+    o_s[h0][d] = fold(o_s[h0][d], o[0], f0);
+    if (has_d1) o_s[h0][d + 1] = fold(o_s[h0][d + 1], o[2], f0);
   }
   if (h1 < G) {
-    fold1(&o_s[h1][d], o[1], fo1, fn1);
-    if (has_d1) fold1(&o_s[h1][d + 1], o[3], fo1, fn1);
+    o_s[h1][d] = fold(o_s[h1][d], o[1], f1);
+    if (has_d1) o_s[h1][d + 1] = fold(o_s[h1][d + 1], o[3], f1);
   }
 }
 
@@ -1090,61 +1101,52 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
     o32[0][e] = o32[1][e] = o16[e] = o8[e] = 0.f;
   }
 
-  // The warp's state for partition q -> shared memory (v3_o_s, v3_m_s, v3_l_s), for write_partitions.
-  auto save_partition = [&](int q) {
-    // The warp's exp-sums: each lane added its own tokens; add over the 8 token rows.
+  // The warp's exp-sums: each lane added its own tokens; add over the 8 token rows.
+  auto sum_rows = [&]() {
 #pragma unroll
     for (int off = 4; off < PR_WARP; off *= 2) {
       l0 += __shfl_xor_sync(PR_FULL_MASK, l0, off);
       l1 += __shfl_xor_sync(PR_FULL_MASK, l1, off);
     }
-    const int h0 = 2 * tig, h1 = 2 * tig + 1;
-    if (grp == 0 && h0 < G) v3_m_s[q][warp][h0] = m0, v3_l_s[q][warp][h0] = l0;
-    if (grp == 0 && h1 < G) v3_m_s[q][warp][h1] = m1, v3_l_s[q][warp][h1] = l1;
+  };
+  // band(fragment, d, has_d1) for each band of the warp's p.V: this lane's C fragment and its first dim (store_o).
+  auto each_band = [&](auto &&band) {
 #pragma unroll
     for (int c = 0; c < VCH; ++c)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) store_o(v3_o_s[q][warp], o[c][j], 64 * c + 8 * grp + 2 * j, true, h0, h1);
+      for (int j = 0; j < 4; ++j) band(o[c][j], 64 * c + 8 * grp + 2 * j, true);
     if (V32) {
-      store_o(v3_o_s[q][warp], o32[0], V32_OFF + 4 * grp, true, h0, h1);
-      store_o(v3_o_s[q][warp], o32[1], V32_OFF + 4 * grp + 2, true, h0, h1);
+      band(o32[0], V32_OFF + 4 * grp, true);
+      band(o32[1], V32_OFF + 4 * grp + 2, true);
     }
-    if (V16) store_o(v3_o_s[q][warp], o16, V16_OFF + 2 * grp, true, h0, h1);
-    if (V8) store_o(v3_o_s[q][warp], o8, V8_OFF + grp, false, h0, h1);
+    if (V16) band(o16, V16_OFF + 2 * grp, true);
+    if (V8) band(o8, V8_OFF + grp, false);
+  };
+
+  // The warp's state for partition q -> shared memory (v3_o_s, v3_m_s, v3_l_s), for write_partitions.
+  auto save_partition = [&](int q) {
+    sum_rows();
+    const int h0 = 2 * tig, h1 = 2 * tig + 1;  // the heads of this lane's C fragments
+    if (grp == 0 && h0 < G) v3_m_s[q][warp][h0] = m0, v3_l_s[q][warp][h0] = l0;
+    if (grp == 0 && h1 < G) v3_m_s[q][warp][h1] = m1, v3_l_s[q][warp][h1] = l1;
+    each_band([&](const float (&f)[4], int d, bool has_d1) { store_o(v3_o_s[q][warp], f, d, has_d1, h0, h1); });
   };
 
 #if SPAN_FOLD && SPAN_SLOTS > 1
   // SPAN_FOLD: the warp's state of a later partition of the superpartition folded into its saved state, in
-  // partition order: M = max(m_saved, m), f_old = exp2(m_saved - M), f_new = exp2(m - M),
-  // l = fmaf(l, f_new, l_saved * f_old), p.V likewise; no barrier (a lane re-reads only the p.V it wrote, and the
-  // max / exp-sum the warp's lanes of grp 0 wrote, after a __syncwarp). paged_attention_fold_reduce folds the
-  // partials of one partition a CTA with the same operations (fold_super).
+  // partition order (fold_weights, fold); no barrier (a lane re-reads only the p.V it wrote, and the max /
+  // exp-sum the warp's lanes of grp 0 wrote, after a __syncwarp). paged_attention_fold_reduce folds the partials
+  // of one partition a CTA with the same operations (fold_super).
   auto fold_partition = [&]() {
-#pragma unroll
-    for (int off = 4; off < PR_WARP; off *= 2) {
-      l0 += __shfl_xor_sync(PR_FULL_MASK, l0, off);
-      l1 += __shfl_xor_sync(PR_FULL_MASK, l1, off);
-    }
+    sum_rows();
     __syncwarp();
     const int h0 = 2 * tig, h1 = 2 * tig + 1, g0 = min(h0, G - 1), g1 = min(h1, G - 1);
-    const float mo0 = v3_m_s[0][warp][g0], mo1 = v3_m_s[0][warp][g1];
-    const float lo0 = v3_l_s[0][warp][g0], lo1 = v3_l_s[0][warp][g1];
-    const float big0 = fmaxf(mo0, m0), big1 = fmaxf(mo1, m1);
-    const float fo0 = exp2_approx(mo0 - big0), fn0 = exp2_approx(m0 - big0);
-    const float fo1 = exp2_approx(mo1 - big1), fn1 = exp2_approx(m1 - big1);
+    const FoldWeights f0 = fold_weights(v3_m_s[0][warp][g0], m0), f1 = fold_weights(v3_m_s[0][warp][g1], m1);
+    const float l_saved0 = v3_l_s[0][warp][g0], l_saved1 = v3_l_s[0][warp][g1];
     __syncwarp();
-    if (grp == 0 && h0 < G) v3_m_s[0][warp][h0] = big0, v3_l_s[0][warp][h0] = fmaf(l0, fn0, lo0 * fo0);
-    if (grp == 0 && h1 < G) v3_m_s[0][warp][h1] = big1, v3_l_s[0][warp][h1] = fmaf(l1, fn1, lo1 * fo1);
-#pragma unroll
-    for (int c = 0; c < VCH; ++c)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) fold_o(v3_o_s[0][warp], o[c][j], 64 * c + 8 * grp + 2 * j, true, h0, h1, fo0, fn0, fo1, fn1);
-    if (V32) {
-      fold_o(v3_o_s[0][warp], o32[0], V32_OFF + 4 * grp, true, h0, h1, fo0, fn0, fo1, fn1);
-      fold_o(v3_o_s[0][warp], o32[1], V32_OFF + 4 * grp + 2, true, h0, h1, fo0, fn0, fo1, fn1);
-    }
-    if (V16) fold_o(v3_o_s[0][warp], o16, V16_OFF + 2 * grp, true, h0, h1, fo0, fn0, fo1, fn1);
-    if (V8) fold_o(v3_o_s[0][warp], o8, V8_OFF + grp, false, h0, h1, fo0, fn0, fo1, fn1);
+    if (grp == 0 && h0 < G) v3_m_s[0][warp][h0] = f0.big, v3_l_s[0][warp][h0] = fold(l_saved0, l0, f0);
+    if (grp == 0 && h1 < G) v3_m_s[0][warp][h1] = f1.big, v3_l_s[0][warp][h1] = fold(l_saved1, l1, f1);
+    each_band([&](const float (&f)[4], int d, bool has_d1) { fold_o(v3_o_s[0][warp], f, d, has_d1, h0, h1, f0, f1); });
   };
 #endif
 
@@ -1383,10 +1385,10 @@ __device__ __forceinline__ void fold_super(const SuperStates &st, float &o_sp, f
     const int w = i % NUM_WARPS;
     const float mi = __shfl_sync(PR_FULL_MASK, st.m, i), li = __shfl_sync(PR_FULL_MASK, st.l, i);
     if (mi == neg_inf()) continue;  // no slab of warp w in that partition (or past the context): warp-uniform
-    const float M = fmaxf(fm[w], mi), f_old = exp2_approx(fm[w] - M), f_new = exp2_approx(mi - M);
-    fl[w] = fmaf(li, f_new, fl[w] * f_old);
-    fo[w] = fmaf(st.o[i], f_new, fo[w] * f_old);
-    fm[w] = M;
+    const FoldWeights f = fold_weights(fm[w], mi);
+    fl[w] = fold(fl[w], li, f);
+    fo[w] = fold(fo[w], st.o[i], f);
+    fm[w] = f.big;
   }
   m = fm[0];  // partition_max, then partition_share
 #pragma unroll

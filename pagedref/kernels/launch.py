@@ -144,9 +144,10 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                 (_ptr(out), _ptr(q), *common, np.float32(scale)))
         return out
     f32 = dict(dtype=torch.float32, device=q.device)
-    # The partials: [rows, max_parts] (x head_dim for tmp_out); the folded tree's partials of one partition a CTA
-    # are its warps' states, [rows, max_parts, warps].
-    rows = shape.num_seqs * shape.num_heads * (_WARPS_PER_CTA if version == 3 and tuning.fold else 1)
+    # The folded tree with one partition a CTA: each CTA writes its warps' states, which the fold reduce folds.
+    fold_partials = version == 3 and tuning.fold and span == 1 and max_parts > 1
+    # The partials: [rows, max_parts] (x head_dim for tmp_out); with fold_partials [rows, max_parts, warps].
+    rows = shape.num_seqs * shape.num_heads * (_WARPS_PER_CTA if fold_partials else 1)
     tmp_out = torch.empty(rows * max_parts * shape.head_dim, **f32)
     max_logits = torch.empty(rows * max_parts, **f32)
     exp_sums = torch.empty_like(max_logits)
@@ -158,7 +159,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _launch(config, f"paged_attention_v{version}", q.device, grid,
             (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(q), *common,
              np.int32(max_parts), np.float32(scale), *v3_args))
-    if version == 3 and tuning.fold and span == 1 and max_parts > 1:  # the reduce kernel folds the warps' states
+    if fold_partials:
         _launch(config, "paged_attention_fold_reduce", q.device, (shape.num_seqs, shape.num_heads * -(-shape.head_dim // 32)),
                 (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(context_lens),
                  np.int32(shape.num_heads), np.int32(max_parts)), pdl=tuning.pdl)
