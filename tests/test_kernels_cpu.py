@@ -102,13 +102,17 @@ def test_pdl_is_a_compile_time_knob_of_v3_on_by_default():
 
 def test_the_folded_tree_takes_a_cta_per_superpartition_where_the_grid_stays_large():
     # The default tree folds partitions into superpartitions of MAX_SPAN (4): a CTA computes a whole one (its warps
-    # fold in the slab loop: no partials, no slots) where the grid keeps FOLD_FILL CTAs per SM, otherwise one
-    # partition a CTA and the reduce kernel folds (more CTAs for a few long sequences). The same bits either way.
+    # fold in the slab loop: no partials, no slots) where one partition a CTA would be a grid of FOLD_WAVES waves
+    # (FOLD_WAVES_WHOLE where one superpartition holds every context: no reduce after it), otherwise one partition a
+    # CTA and the reduce kernel folds (more CTAs for a few long sequences). The same bits either way.
     rule = lambda seqs, parts, **kw: build.span_schedule(build.MmaTuning(**kw), 128, 4, 16, 8 * seqs, parts, 132)  # noqa: E731
     assert build.MmaTuning().fold and build.MAX_SPAN == 4
     assert rule(64, 4) == rule(64, 3) == rule(8, 32) == rule(32, 8) == 4  # 512 / 512 / 512 / 512 CTAs
     assert rule(1, 128) == rule(16, 8) == 4  # 256 CTAs: at least 1.9 an SM
     assert rule(8, 4) == rule(1, 4) == rule(1, 16) == rule(4, 16) == 1  # 64, 8, 32, 128 CTAs: a CTA per partition
+    # Whole contexts: superpartitions from 1.2 waves of one-partition CTAs (640, 672 of 528 a wave), not below.
+    assert rule(20, 4) == rule(28, 3) == 4 and rule(16, 4) == rule(24, 3) == rule(20, 3) == 1
+    assert rule(5, 16) == rule(6, 13) == rule(3, 32) == rule(7, 16) == 1  # 640-896 CTAs, a reduce after either
     assert rule(256, 1) == 1  # one partition: nothing to fold
     assert rule(1, 4, span=4) == 4 and rule(64, 4, span=1) == 1 and rule(64, 4, span=2) == 1  # forced: 1 or 4
     # Where the loop's fold would spill (or a slab spans blocks, or more than 4 heads a CTA): one partition a CTA.

@@ -121,7 +121,12 @@ def mma_decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta:
 
 SPAN_SHARED_BYTES = 40 << 10  # static shared memory the span's per-warp states may take (48 KB in all)
 SPAN_FILL = 0.9  # a span is taken only while the grid keeps at least this share of the GPU's CTA slots busy
-FOLD_FILL = 1.9  # the folded tree: a CTA per superpartition while the grid keeps at least this many CTAs per SM
+# The folded tree takes a CTA per superpartition where one partition a CTA would be a grid of at least this many
+# waves (num_groups * max_parts CTAs over the GPU's slots, MMA_MIN_CTAS_PER_SM an SM): FOLD_WAVES_WHOLE where one
+# superpartition holds every context (max_parts <= MAX_SPAN: its CTAs write the output, one partition a CTA needs the
+# fold reduce after it), FOLD_WAVES where a reduce follows either way. Measured at head_dim 128 (span_schedule).
+FOLD_WAVES = 1.9
+FOLD_WAVES_WHOLE = 1.2
 # Head dims where v3's folded superpartition build (its fold inside the slab loop) spills at its occupancy
 # (MMA_MIN_CTAS_PER_SM; nvcc's report, tests/test_kernels_cpu.py): they run one partition a CTA.
 FOLD_SPILLS = (64, 120)
@@ -161,18 +166,26 @@ def span_schedule(tuning: MmaTuning, head_dim: int, heads_per_cta: int, block_si
     (benchmark candidates), capped by span_slots.
 
     The folded tree (the default, fold=True) has two spans: MAX_SPAN, a CTA per superpartition (its warps fold
-    its partitions in the slab loop), while that grid keeps FOLD_FILL CTAs per SM; otherwise 1, a CTA per
-    partition, whose warps' states the fold reduce kernel folds (4x the CTAs for a few long sequences). Measured
-    on an H200 (2026-12-04 evening, docs/benchmarks.md): the superpartition CTAs read 1-2% faster than the
+    its partitions in the slab loop), where a grid of one partition a CTA would run FOLD_WAVES waves or more
+    (FOLD_WAVES_WHOLE where one superpartition holds every context); otherwise 1, a CTA per partition, whose warps'
+    states the fold reduce kernel folds.
+    Measured on an H200 (2026-12-04, docs/benchmarks.md): the superpartition CTAs read 1-2% faster than the
     unfolded tree at 512 CTAs ((64, 4096), (8, 32768)) and at 256 ((1, 131072), (16, 8192) level), and are
-    2-3x slower at 8-64 CTAs, where one partition a CTA runs. The same bits either way
-    (tests/test_kernels_gpu.py)."""
+    2-3x slower at 8-64 CTAs, where one partition a CTA runs. Between, counted in one-partition CTAs (528 a wave
+    at head_dim 128 on 132 SMs): where one superpartition holds the context (no reduce after it) one partition a
+    CTA wins while its grid fits one wave ((16, 4096) by 12%, (20, 3072) by 14%, (24, 2048) by 1%: 512, 480, 384
+    CTAs), they are level at 576 ((18, 4096)) and the superpartitions win from 640 ((20, 4096) +0.5%, (24, 4096)
+    +2%, (28, 4096) +7%); where a reduce follows either way, one partition a CTA wins up to 768 ((3, 32768),
+    (12, 8192), (6, 16384) by 2-3%), they are level at 896 ((7, 16384)) and the superpartitions win at 1024
+    ((4, 32768) +3%). The same bits either way (tests/test_kernels_gpu.py)."""
     slots = span_slots(head_dim, heads_per_cta, block_size, tuning)
     if tuning.fold:  # a CTA per superpartition, or per partition (the reduce kernel folds): the same bits
         if tuning.span is not None:
             return MAX_SPAN if tuning.span >= MAX_SPAN and slots == MAX_SPAN else 1
-        ctas = num_groups * -(-max_parts // MAX_SPAN)
-        return MAX_SPAN if max_parts > 1 and slots == MAX_SPAN and ctas >= FOLD_FILL * num_sms else 1
+        waves = num_groups * max_parts / (num_sms * (tuning.min_ctas_per_sm or MMA_MIN_CTAS_PER_SM[head_dim]))
+        whole = max_parts <= MAX_SPAN  # one superpartition holds every context: no reduce after it
+        fills = waves >= (FOLD_WAVES_WHOLE if whole else FOLD_WAVES)
+        return MAX_SPAN if max_parts > 1 and slots == MAX_SPAN and fills else 1
     if tuning.span is not None:
         return max(1, min(tuning.span, slots))
     fill = max(num_sms, SPAN_FILL * (tuning.min_ctas_per_sm or MMA_MIN_CTAS_PER_SM[head_dim]) * num_sms)
