@@ -67,9 +67,9 @@
 //      reduce kernel merges partitions. Why: a CTA that computes a whole superpartition folds in its slab
 //      loop into ONE slot per warp (8 KB at head_dim 128, not the unfolded span's 4 slots of 32 KB, past
 //      the 32-KB step where L1 loses room for the loads in flight) with no barrier, and writes no partials
-//      for contexts up to 4 partitions: +1-2% at (64, 4096), (8, 32768) and (1, 131072), at or above FlashInfer
-//      there in three runs of four (docs/benchmarks.md, 2026-12-04 evening). A launch whose superpartition CTAs would leave the
-//      GPU half idle (a few long sequences) runs one partition a CTA instead (build.span_schedule); each CTA
+//      for contexts up to 4 partitions: +1-2% at (64, 4096), (8, 32768) and (1, 131072), at FlashInfer's speed
+//      there (docs/benchmarks.md, 2026-12-04 evening and night). A launch whose grid of one partition a CTA fits
+//      about one wave (a few long sequences; build.span_schedule, FOLD_WAVES) runs that instead; each CTA
 //      writes its 4 warps' states as they are and paged_attention_fold_reduce folds them with the same
 //      operations in the same order: the same bits, for 4x the partials and a longer merge (1.5-4% slower
 //      than the unfolded tree at (2-12, 8192-32768)). The bits are a function of the sequence alone either way.
