@@ -108,8 +108,8 @@ def test_the_folded_tree_takes_a_cta_per_superpartition_where_the_grid_stays_lar
     rule = lambda seqs, parts, **kw: build.span_schedule(build.MmaTuning(**kw), 128, 4, 16, 8 * seqs, parts, 132)  # noqa: E731
     assert build.MmaTuning().fold and build.MAX_SPAN == 4
     assert rule(64, 4) == rule(64, 3) == rule(8, 32) == rule(32, 8) == 4  # 512 / 512 / 512 / 512 CTAs
-    assert rule(1, 128) == rule(16, 8) == 4  # 256 CTAs: at least 1.9 an SM
-    assert rule(8, 4) == rule(1, 4) == rule(1, 16) == rule(4, 16) == 1  # 64, 8, 32, 128 CTAs: a CTA per partition
+    assert rule(1, 128) == rule(16, 8) == 4  # 1024 one-partition CTAs: 1.94 waves of 528
+    assert rule(8, 4) == rule(1, 4) == rule(1, 16) == rule(4, 16) == 1  # 256, 32, 128, 512 CTAs: a CTA per partition
     # Whole contexts: superpartitions from 1.2 waves of one-partition CTAs (640, 672 of 528 a wave), not below.
     assert rule(20, 4) == rule(28, 3) == 4 and rule(16, 4) == rule(24, 3) == rule(20, 3) == 1
     assert rule(5, 16) == rule(6, 13) == rule(3, 32) == rule(7, 16) == 1  # 640-896 CTAs, a reduce after either
