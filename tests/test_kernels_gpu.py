@@ -294,7 +294,7 @@ def test_a_large_grid_spans_partitions_and_keeps_the_bits():
     lens = torch.randint(2049, 4097, (64,), generator=gen).tolist()
     p = T.make_problem(lens[:60] + [4096, 1, 1024, 3000], num_heads=32, num_kv_heads=8, head_dim=128,
                        dtype=torch.bfloat16, seed=42)
-    per_sm = build.MMA_MIN_CTAS_PER_SM[128]  # one partition a CTA: 2048 CTAs, this many an SM
+    per_sm = build.mma_ctas_per_sm(build.MmaTuning(), 128)  # one partition a CTA: 2048 CTAs, this many an SM
     fills = 8 * 64 * 4 >= build.FOLD_WAVES_WHOLE * per_sm * num_sms
     assert build.span_schedule(build.MmaTuning(), 128, 4, 16, 8 * 64, 4, num_sms) == (4 if fills else 1)
     full = decode(p)

@@ -109,7 +109,7 @@ def mma_decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta:
                          f"{MMA_HEAD_DIMS}, got {dtype} with head_dim {head_dim}")
     if tuning.fold and tuning.merge_in_kernel:
         raise ValueError("the in-kernel merge merges partitions: it takes MmaTuning(fold=False)")
-    min_ctas = tuning.min_ctas_per_sm or MMA_MIN_CTAS_PER_SM[head_dim]
+    min_ctas = mma_ctas_per_sm(tuning, head_dim)
     return KernelConfig("paged_attention.cu", (
         ("PR_DTYPE", DTYPE_CODES[dtype]), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),
         ("HEADS_PER_CTA", heads_per_cta), ("PARTITION_SIZE", tuning.partition_size), ("MIN_CTAS_PER_SM", min_ctas),
@@ -117,6 +117,11 @@ def mma_decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta:
         ("SPAN_SLOTS", span_slots(head_dim, heads_per_cta, block_size, tuning)),
         *((("KV_EVICT_FIRST", 1),) if tuning.evict_first else ()), *((("SPAN_FOLD", 1),) if tuning.fold else ()),
         *((("MERGE_IN_KERNEL", 1),) if tuning.merge_in_kernel else ()), *((("PDL", 1),) if tuning.pdl else ())))
+
+
+def mma_ctas_per_sm(tuning: MmaTuning, head_dim: int) -> int:
+    """v3's CTAs per SM: its register budget (__launch_bounds__'s MIN_CTAS_PER_SM), and so one wave of its grid."""
+    return tuning.min_ctas_per_sm or MMA_MIN_CTAS_PER_SM[head_dim]
 
 
 SPAN_SHARED_BYTES = 40 << 10  # static shared memory the span's per-warp states may take (48 KB in all)
@@ -179,16 +184,17 @@ def span_schedule(tuning: MmaTuning, head_dim: int, heads_per_cta: int, block_si
     (12, 8192), (6, 16384) by 2-3%), they are level at 896 ((7, 16384)) and the superpartitions win at 1024
     ((4, 32768) +3%). The same bits either way (tests/test_kernels_gpu.py)."""
     slots = span_slots(head_dim, heads_per_cta, block_size, tuning)
+    per_sm = mma_ctas_per_sm(tuning, head_dim)
     if tuning.fold:  # a CTA per superpartition, or per partition (the reduce kernel folds): the same bits
         if tuning.span is not None:
             return MAX_SPAN if tuning.span >= MAX_SPAN and slots == MAX_SPAN else 1
-        waves = num_groups * max_parts / (num_sms * (tuning.min_ctas_per_sm or MMA_MIN_CTAS_PER_SM[head_dim]))
+        waves = num_groups * max_parts / (num_sms * per_sm)
         whole = max_parts <= MAX_SPAN  # one superpartition holds every context: no reduce after it
         fills = waves >= (FOLD_WAVES_WHOLE if whole else FOLD_WAVES)
         return MAX_SPAN if max_parts > 1 and slots == MAX_SPAN and fills else 1
     if tuning.span is not None:
         return max(1, min(tuning.span, slots))
-    fill = max(num_sms, SPAN_FILL * (tuning.min_ctas_per_sm or MMA_MIN_CTAS_PER_SM[head_dim]) * num_sms)
+    fill = max(num_sms, SPAN_FILL * per_sm * num_sms)
     if max_parts == 1 or num_groups < fill:  # nothing to merge, or a grid of one CTA a context leaves SMs idle
         return 1
     return next((span for span in (2, 4) if max_parts <= span <= slots), 1)

@@ -159,13 +159,13 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _launch(config, f"paged_attention_v{version}", q.device, grid,
             (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(q), *common,
              np.int32(max_parts), np.float32(scale), *v3_args))
-    if fold_partials:
-        _launch(config, "paged_attention_fold_reduce", q.device, (shape.num_seqs, shape.num_heads * -(-shape.head_dim // 32)),
+    slices = shape.num_heads * -(-shape.head_dim // 32)  # of 32 dims, a sequence's rows' (REDUCE_SLICES each)
+    if fold_partials:  # a CTA per slice
+        _launch(config, "paged_attention_fold_reduce", q.device, (shape.num_seqs, slices),
                 (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(context_lens),
                  np.int32(shape.num_heads), np.int32(max_parts)), pdl=tuning.pdl)
-    elif max_parts > span and not merge_in_kernel:  # some context has partitions in more than one CTA
-        warps = shape.num_heads * -(-shape.head_dim // 32)  # a warp per 32 dims of a row (REDUCE_SLICES)
-        _launch(config, "paged_attention_reduce", q.device, (shape.num_seqs, -(-warps // _WARPS_PER_CTA)),
+    elif max_parts > span and not merge_in_kernel:  # some context has partitions in more than one CTA: a warp a slice
+        _launch(config, "paged_attention_reduce", q.device, (shape.num_seqs, -(-slices // _WARPS_PER_CTA)),
                 (_ptr(out), _ptr(tmp_out), _ptr(max_logits), _ptr(exp_sums), _ptr(context_lens),
                  np.int32(shape.num_heads), np.int32(max_parts), np.int32(span)), pdl=version == 3 and tuning.pdl)
     return out
