@@ -157,9 +157,8 @@ def peer_calls(name: str, make) -> list | None:
 
 def flashinfer_decode(fi, case: "DecodeCase"):
     """FlashInfer's tensor-core paged decode planned on `case`'s pool -> a call writing its output."""
-    nb = case.context // BLOCK_SIZE
+    nb, last = case.pages()
     indptr = torch.arange(0, (case.batch + 1) * nb, nb, dtype=torch.int32, device="cuda")
-    last = torch.full((case.batch,), BLOCK_SIZE, dtype=torch.int32, device="cuda")
     workspace = torch.zeros(PEER_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
     wrapper.plan(indptr, case.block_tables.reshape(-1), last, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
@@ -170,10 +169,9 @@ def flashinfer_decode(fi, case: "DecodeCase"):
 
 def flashinfer_prefill(fi, case: "DecodeCase", q: torch.Tensor, query_len: int, out: torch.Tensor):
     """FlashInfer's causal paged prefill of q (each sequence's last query_len rows) on `case`'s pool."""
-    nb = case.context // BLOCK_SIZE
+    nb, last = case.pages()
     qo_indptr = torch.arange(0, (case.batch + 1) * query_len, query_len, dtype=torch.int32, device="cuda")
     kv_indptr = torch.arange(0, (case.batch + 1) * nb, nb, dtype=torch.int32, device="cuda")
-    last = torch.full((case.batch,), BLOCK_SIZE, dtype=torch.int32, device="cuda")
     workspace = torch.zeros(PEER_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
     wrapper.plan(qo_indptr, kv_indptr, case.block_tables.reshape(-1), last, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
@@ -188,7 +186,7 @@ class DecodeCase:
     def __init__(self, batch: int, context: int, seed: int = 0, num_heads: int = NUM_HEADS,
                  num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM):
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        blocks_per_seq = context // BLOCK_SIZE
+        blocks_per_seq = -(-context // BLOCK_SIZE)  # a partial last block where context is not a multiple
         num_blocks = batch * blocks_per_seq
         shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
         self.k_cache = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
@@ -206,6 +204,12 @@ class DecodeCase:
         _, _, kv_heads, head_dim = self.k_cache.shape
         return 2 * self.batch * self.context * kv_heads * head_dim * self.k_cache.element_size()
 
+    def pages(self) -> tuple[int, torch.Tensor]:
+        """FlashInfer's view of the pool: blocks per sequence and each sequence's tokens in its last block."""
+        nb = self.block_tables.shape[1]
+        last = torch.full((self.batch,), self.context - (nb - 1) * BLOCK_SIZE, dtype=torch.int32, device="cuda")
+        return nb, last
+
     def head_group(self, group: int, groups: int) -> "DecodeCase":
         """The same problem on KV-head group `group` of `groups` and its query heads, copied apart (same block
         tables): attention is per head, so its output is this case's output for those heads."""
@@ -221,7 +225,8 @@ class DecodeCase:
         """K/V as SDPA wants them: [batch, num_kv_heads, context, head_dim]."""
         def gather(cache):
             g = cache[self.block_tables.long()]  # [B, blocks, BLOCK_SIZE, Hkv, D]
-            return g.reshape(self.batch, self.context, *cache.shape[2:]).transpose(1, 2).contiguous()
+            g = g.reshape(self.batch, -1, *cache.shape[2:])[:, :self.context]  # [B, context, Hkv, D]
+            return g.transpose(1, 2).contiguous()
         return gather(self.k_cache), gather(self.v_cache)
 
     def run(self, **kw) -> torch.Tensor:
