@@ -20,7 +20,7 @@
 #define PATTERN 0
 #endif
 #ifndef PARTITION_SIZE
-#define PARTITION_SIZE 1024  // build.kv_read_config passes v3's (splitk.MMA_PARTITION_SIZE)
+#define PARTITION_SIZE 1024  // build.kv_read_config passes v3's (splitk.MMA_PARTITION_SIZE), or a short context's length
 #endif
 static_assert(HEAD_DIM == 128 && BLOCK_SIZE == 16, "kv_read measures v3's layout at head_dim 128, 16-token blocks");
 constexpr int STEPS = PARTITION_SIZE / 16;  // 16-token steps a CTA reads

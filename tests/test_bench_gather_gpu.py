@@ -40,3 +40,31 @@ def test_each_cta_reads_the_bytes_of_its_pattern(pattern, shared_kb):
     torch.cuda.synchronize()
     want = torch.from_numpy(expected_checksums(case.k_cache, case.v_cache, case.block_tables, pattern, PARTITION_SIZE))
     assert torch.equal(out.cpu(), want), f"{pattern}: the CTAs' checksums are not those of the bytes they must read"
+
+
+@pytest.mark.parametrize("pattern", ["v3 lanes", "whole rows"])
+def test_a_cta_per_short_context_reads_the_bytes_of_its_pattern(pattern):
+    # --launch-constant's read: a CTA per KV head and whole 208-token context (13 steps, its warps ending unevenly)
+    from pagedref.bench.kernel import NUM_KV_HEADS, DecodeCase
+    from pagedref.kernels.kv_read import kv_read
+
+    case = DecodeCase(batch=5, context=208, seed=6)
+    out = torch.zeros(5, 1, NUM_KV_HEADS, dtype=torch.int32, device="cuda")
+    kv_read(case.k_cache, case.v_cache, case.block_tables, out, pattern, 0, partition_size=208)
+    torch.cuda.synchronize()
+    want = torch.from_numpy(expected_checksums(case.k_cache, case.v_cache, case.block_tables, pattern, 208))
+    assert torch.equal(out.cpu(), want), f"{pattern}: a 208-token CTA's checksum is not that of its bytes"
+
+
+def test_the_launch_constant_is_fitted_from_decode_and_the_read_side_by_side():
+    from pagedref.bench.gather import launch_constant
+
+    # 64 and 512 sequences: 8x the bytes take clearly longer, so the fitted rate is positive (a handful of sequences
+    # would be all constant, and the fit's slope noise).
+    (row,) = launch_constant([208], [64, 512], reps=3)
+    assert [p["batch"] for p in row["points"]] == [64, 512] and row["context"] == 208
+    for kind in ("decode", "read"):
+        first, last = row["points"]
+        assert 0 < first[f"{kind}_us"] < last[f"{kind}_us"], row
+        assert row[kind]["GBps"] > 0 and row[kind]["constant_us"] < first[f"{kind}_us"], row
+

@@ -416,6 +416,28 @@ def test_bench_gemm_extra_shapes_parse_or_name_the_problem():
             extra_shape(bad)
 
 
+def test_bench_gather_launch_constant_fits_and_refuses_bad_contexts(capsys):
+    # `bench gather --launch-constant` fits time = constant + bytes / rate over the batches: exact on a line; it
+    # takes contexts of whole 16-token steps and at least two batches; kv_read's CTA spans whole steps (whole
+    # blocks of every KV head: 128 tokens).
+    from pagedref.bench import gather
+    from pagedref.kernels.kv_read import kv_read
+
+    points = [{"kv_bytes": gb * 1e9, "t": 7.5 + gb * 1e6 / 4500} for gb in (0.1, 0.4, 0.9)]
+    fitted = gather.fit(points, "t")
+    assert fitted["constant_us"] == pytest.approx(7.5) and fitted["GBps"] == pytest.approx(4500)
+    for bad in (["--launch-constant", "200"], ["--launch-constant", "0"], ["--launch-constant", "208", "--batches", "8"]):
+        with pytest.raises(SystemExit) as exit_info:
+            gather.main(bad)
+        assert exit_info.value.code == 2 and "--launch-constant takes" in capsys.readouterr().err, bad
+    kv = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kv_read(kv, kv, torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, 1, 8, dtype=torch.int32), partition_size=40)
+    with pytest.raises(ValueError, match="multiple of 128 for 'whole blocks'"):
+        kv_read(kv, kv, torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, 1, 8, dtype=torch.int32), "whole blocks",
+                partition_size=64)
+
+
 def test_bench_kernel_peers_argument(monkeypatch, capsys):
     # --peers names known libraries only (argparse refuses others); a peer that does not import is a
     # note on stderr and no rows, never a crash; one that imports is handed to the benchmark.

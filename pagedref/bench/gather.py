@@ -8,6 +8,11 @@ pool, the default decode kernel: its share of its own pattern's roofline is what
 win. Invariant: every pattern reads every K/V byte of the batch once (pagedref.kernels.kv_read; its checksums say
 which bytes: tests/test_bench_gather_gpu.py).
 
+`--launch-constant CONTEXT ...` asks what a short context costs: at each context it times the default decode and the
+read in v3's lanes with a CTA per KV head and context (so the same grid), at several batches, and fits each as
+time = constant + bytes / rate. The constant is what a launch costs whatever its bytes; the read's is the part no
+decode kernel with this grid escapes.
+
 What it showed on an H200 (2026-12-04, docs/benchmarks.md): the pool's 256-byte rows in random blocks read at
 ~4.4-4.5 TB/s in v3's pattern, ~1% more in whole rows, ~1% more again with the blocks in order; and shared memory
 costs the stream: 4 CTAs an SM of 36 KB each read 6% slower than of 20 KB (L1 and shared memory share the SM's
@@ -21,6 +26,7 @@ import datetime
 import json
 import sys
 
+import numpy as np
 import torch
 
 from pagedref.bench.kernel import NUM_KV_HEADS, DecodeCase, copy_bandwidth, time_rounds
@@ -48,6 +54,39 @@ def bench(batch: int, context: int, patterns: list[str], shared_kbs: list[int], 
             "GBps": {name: case.kv_bytes / ms / 1e6 for name, (ms, _) in times.items()}}
 
 
+def fit(points: list[dict], key: str) -> dict:
+    """Least squares of time (points[i][key], µs) on K/V bytes: the constant (µs) and the rate (GB/s)."""
+    gb = np.array([p["kv_bytes"] for p in points]) / 1e9
+    us_per_gb, constant = np.polyfit(gb, np.array([p[key] for p in points]), 1)
+    return {"constant_us": float(constant), "GBps": float(1e6 / us_per_gb)}
+
+
+def launch_constant(contexts: list[int], batches: list[int], reps: int) -> list[dict]:
+    """Per context: the default decode and kv_read ("v3 lanes", a CTA per KV head and context), timed in interleaved
+    rounds at each batch on one pool, and each one's fit (constant + bytes / rate)."""
+    rows = []
+    for context in contexts:
+        points = []
+        for batch in batches:
+            case = DecodeCase(batch, context)
+            out = torch.zeros(batch, 1, NUM_KV_HEADS, dtype=torch.int32, device="cuda")
+            read = lambda c=case, o=out: kv_read(c.k_cache, c.v_cache, c.block_tables, o, "v3 lanes", 0, c.context)  # noqa: E731
+            times = time_rounds({"decode": [case.run], "read": [read]}, reps)
+            points.append({"batch": batch, "kv_bytes": case.kv_bytes, "decode_us": times["decode"][0] * 1e3,
+                           "read_us": times["read"][0] * 1e3})
+        rows.append({"context": context, "points": points, "decode": fit(points, "decode_us"),
+                     "read": fit(points, "read_us")})
+    return rows
+
+
+def print_launch_constant(rows: list[dict]) -> None:
+    print("context | read: constant, rate | decode: constant, rate | µs read / decode at each batch")
+    for r in rows:
+        at = "  ".join(f"{p['batch']}: {p['read_us']:.1f} / {p['decode_us']:.1f}" for p in r["points"])
+        print(f"{r['context']:7d} | {r['read']['constant_us']:5.1f} µs, {r['read']['GBps']:5.0f} GB/s | "
+              f"{r['decode']['constant_us']:5.1f} µs, {r['decode']['GBps']:5.0f} GB/s | {at}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from pagedref.kernels.build import KV_READ_PATTERNS
 
@@ -57,11 +96,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--patterns", nargs="+", choices=list(KV_READ_PATTERNS), default=list(KV_READ_PATTERNS))
     ap.add_argument("--shared-kb", nargs="+", type=int, default=[0, 12, 20, 36, 54], metavar="KB",
                     help="shared memory reserved per CTA (4 CTAs an SM; at most 56 KB)")
+    ap.add_argument("--launch-constant", nargs="+", type=int, metavar="CONTEXT",
+                    help="instead: the constant a launch costs at these contexts (multiples of 16), decode beside the "
+                         "read with a CTA per KV head and context, fitted over --batches")
+    ap.add_argument("--batches", nargs="+", type=int, default=[64, 128, 256, 512, 1024],
+                    help="with --launch-constant: the batches fitted")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", help="also write the results as JSON to this path")
     args = ap.parse_args(argv)
     if args.context % PARTITION_SIZE or args.context <= 0 or args.batch <= 0:
         ap.error(f"--context must be a positive multiple of {PARTITION_SIZE} and --batch positive")
+    if args.launch_constant and (any(c <= 0 or c % 16 for c in args.launch_constant) or len(set(args.batches)) < 2
+                                 or min(args.batches) <= 0):
+        ap.error("--launch-constant takes positive multiples of 16, fitted over at least two positive --batches")
     if any(kb < 0 or kb > MAX_SHARED_KB for kb in args.shared_kb):
         ap.error(f"--shared-kb takes 0 to {MAX_SHARED_KB} KB (4 CTAs of 128 threads an SM share 228 KB)")
     if not torch.cuda.is_available():
@@ -70,10 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     res = {"command": "python -m pagedref.bench gather " + " ".join(argv or []),
            "gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat()}
     res["copy_GBps"], res["copy_method"] = copy_bandwidth(args.reps)
-    res.update(bench(args.batch, args.context, args.patterns, args.shared_kb, args.reps))
+    if args.launch_constant:
+        res["launch_constant"] = launch_constant(args.launch_constant, args.batches, args.reps)
+    else:
+        res.update(bench(args.batch, args.context, args.patterns, args.shared_kb, args.reps))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
+    if args.launch_constant:
+        print(f"{res['gpu']}, {res['date']}: copy {res['copy_GBps']:.0f} GB/s (read + written)")
+        print_launch_constant(res["launch_constant"])
+        return 0
     print(f"{res['gpu']}, {res['date']}: ({args.batch}, {args.context}), {res['kv_GB']:.2f} GB of K/V; "
           f"copy {res['copy_GBps']:.0f} GB/s (read + written)")
     for name, gbps in res["GBps"].items():

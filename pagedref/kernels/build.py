@@ -417,8 +417,8 @@ CACHE_OPS = KernelConfig("cache_ops.cu")
 KV_READ_PATTERNS = {"v3 lanes": 0, "whole rows": 1, "whole blocks": 2}  # cuda/kv_read.cu (bench gather)
 
 
-def kv_read_config(pattern: str) -> KernelConfig:
-    return KernelConfig("kv_read.cu", (("HEAD_DIM", 128), ("BLOCK_SIZE", 16), ("PARTITION_SIZE", MMA_PARTITION_SIZE),
+def kv_read_config(pattern: str, partition_size: int = MMA_PARTITION_SIZE) -> KernelConfig:
+    return KernelConfig("kv_read.cu", (("HEAD_DIM", 128), ("BLOCK_SIZE", 16), ("PARTITION_SIZE", partition_size),
                                        ("PATTERN", KV_READ_PATTERNS[pattern])))
 
 
@@ -455,7 +455,7 @@ def ci_configs() -> list[KernelConfig]:
     configs += [prefill_config("bfloat16", head_dim, 16, 3, schedule=s) for head_dim in PREFILL_V3_HEAD_DIMS
                 for s in PREFILL_V3_SCHEDULES.values()]
     configs += [KernelConfig("fused_ops.cu", (("PR_DTYPE", code),)) for code in DTYPE_CODES.values()]  # kernels.fused
-    configs += [kv_read_config(p) for p in KV_READ_PATTERNS]  # bench gather
+    configs += [kv_read_config(p) for p in KV_READ_PATTERNS] + [kv_read_config("v3 lanes", 208)]  # bench gather
     configs += [gemm_config(d, GemmTile(bn), silu) for d in ("bfloat16", "float16") for bn in GEMM_WIDTHS
                 for silu in (False, True)]  # kernels.gemm
     return list(dict.fromkeys(configs))  # each once, in order

@@ -24,13 +24,17 @@ MAX_SHARED_KB = 56  # 4 CTAs of 128 threads an SM share 228 KB
 
 
 def kv_read(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor,
-            pattern: str = "v3 lanes", shared_kb: int = 0) -> None:
+            pattern: str = "v3 lanes", shared_kb: int = 0, partition_size: int = PARTITION_SIZE) -> None:
     """Read every K/V byte of the sequences of `block_tables` [num_seqs, blocks] (each sequence blocks * 16
-    tokens, a multiple of PARTITION_SIZE) from k/v_cache [num_blocks, 16, num_kv_heads, 128] as `pattern` does,
-    each CTA reserving `shared_kb` KB of shared memory; out [num_seqs, partitions, num_kv_heads] int32 gets each
-    CTA's checksum xor'ed into it."""
+    tokens, a multiple of partition_size) from k/v_cache [num_blocks, 16, num_kv_heads, 128] as `pattern` does,
+    a CTA per KV head and partition_size tokens (a multiple of 16; v3's partition by default, a whole short context
+    for `bench gather --launch-constant`), each reserving `shared_kb` KB of shared memory; out [num_seqs,
+    partitions, num_kv_heads] int32 gets each CTA's checksum xor'ed into it."""
     if pattern not in build.KV_READ_PATTERNS:
         raise ValueError(f"unknown pattern {pattern!r}: choose from {list(build.KV_READ_PATTERNS)}")
+    steps = 128 if pattern == "whole blocks" else 16  # whole blocks: a block of every KV head per 8 steps
+    if partition_size <= 0 or partition_size % steps:
+        raise ValueError(f"partition_size must be a positive multiple of {steps} for {pattern!r}, got {partition_size}")
     if not 0 <= shared_kb <= MAX_SHARED_KB:
         raise ValueError(f"shared_kb takes 0 to {MAX_SHARED_KB} KB, got {shared_kb}")
     validate.check_cache(k_cache, v_cache)
@@ -42,13 +46,13 @@ def kv_read(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Te
                          f"{k_cache.dtype}")
     if pattern == "whole blocks" and num_kv_heads != 8:
         raise ValueError(f"whole blocks are read a quarter-block a step: 8 KV heads, got {num_kv_heads}")
-    if blocks * block_size % PARTITION_SIZE:
-        raise ValueError(f"block_tables must hold whole {PARTITION_SIZE}-token partitions, got {blocks} blocks")
-    parts = blocks * block_size // PARTITION_SIZE
+    if blocks * block_size % partition_size:
+        raise ValueError(f"block_tables must hold whole {partition_size}-token partitions, got {blocks} blocks")
+    parts = blocks * block_size // partition_size
     validate.check_tensor(out, "out", "[num_seqs, partitions, num_kv_heads]", 3, (torch.int32,), k_cache.device)
     if out.shape != (num_seqs, parts, num_kv_heads):
         raise ValueError(f"out must be [{num_seqs}, {parts}, {num_kv_heads}], got {tuple(out.shape)}")
     validate.require_cuda(k_cache, "k_cache")
     args = (launch._ptr(k_cache), launch._ptr(v_cache), launch._ptr(block_tables), np.int32(blocks), launch._ptr(out))
-    launch._launch(build.kv_read_config(pattern), "kv_read", k_cache.device, (num_kv_heads, parts, num_seqs), args,
+    launch._launch(build.kv_read_config(pattern, partition_size), "kv_read", k_cache.device, (num_kv_heads, parts, num_seqs), args,
                    shared_mem=shared_kb << 10)
