@@ -55,7 +55,7 @@ def bench(batch: int, context: int, patterns: list[str], shared_kbs: list[int], 
 
 
 def fit(points: list[dict], key: str) -> dict:
-    """Least squares of time (points[i][key], µs) on K/V bytes: the constant (µs) and the rate (GB/s)."""
+    """Least squares of each point's time (its `key`, in µs) on its K/V bytes: the constant (µs) and the rate (GB/s)."""
     gb = np.array([p["kv_bytes"] for p in points]) / 1e9
     us_per_gb, constant = np.polyfit(gb, np.array([p[key] for p in points]), 1)
     return {"constant_us": float(constant), "GBps": float(1e6 / us_per_gb)}
