@@ -426,6 +426,14 @@ def test_bench_gather_launch_constant_fits_and_refuses_bad_contexts(capsys):
     points = [{"kv_bytes": gb * 1e9, "t": 7.5 + gb * 1e6 / 4500} for gb in (0.1, 0.4, 0.9)]
     fitted = gather.fit(points, "t")
     assert fitted["constant_us"] == pytest.approx(7.5) and fitted["GBps"] == pytest.approx(4500)
+    head = {"gpu": "GPU", "date": "today", "copy_GBps": 4280.0}
+    points = [{"batch": 64, "read_us": 18.8, "decode_us": 19.8}, {"batch": 256, "read_us": 53.9, "decode_us": 65.1}]
+    gather.print_launch_constant({**head, "launch_constant": [{"context": 208, "points": points, "read": fitted,
+                                                                 "decode": fitted}]})
+    gather.print_patterns({**head, "batch": 64, "context": 4096, "kv_GB": 1.07, "GBps": {"v3 lanes, 0 KB": 4415.0}})
+    printed = capsys.readouterr().out
+    assert "    208 |   7.5 µs,  4500 GB/s" in printed and "256: 53.9 / 65.1" in printed, printed
+    assert "(64, 4096), 1.07 GB of K/V" in printed and "103.2% of the copy" in printed, printed
     for bad in (["--launch-constant", "200"], ["--launch-constant", "0"], ["--launch-constant", "208", "--batches", "8"]):
         with pytest.raises(SystemExit) as exit_info:
             gather.main(bad)

@@ -79,9 +79,17 @@ def launch_constant(contexts: list[int], batches: list[int], reps: int) -> list[
     return rows
 
 
-def print_launch_constant(rows: list[dict]) -> None:
+def print_patterns(res: dict) -> None:
+    print(f"{res['gpu']}, {res['date']}: ({res['batch']}, {res['context']}), {res['kv_GB']:.2f} GB of K/V; "
+          f"copy {res['copy_GBps']:.0f} GB/s (read + written)")
+    for name, gbps in res["GBps"].items():
+        print(f"  {name:45s} {gbps:7.0f} GB/s  {gbps / res['copy_GBps']:6.1%} of the copy")
+
+
+def print_launch_constant(res: dict) -> None:
+    print(f"{res['gpu']}, {res['date']}: copy {res['copy_GBps']:.0f} GB/s (read + written)")
     print("context | read: constant, rate | decode: constant, rate | µs read / decode at each batch")
-    for r in rows:
+    for r in res["launch_constant"]:
         at = "  ".join(f"{p['batch']}: {p['read_us']:.1f} / {p['decode_us']:.1f}" for p in r["points"])
         print(f"{r['context']:7d} | {r['read']['constant_us']:5.1f} µs, {r['read']['GBps']:5.0f} GB/s | "
               f"{r['decode']['constant_us']:5.1f} µs, {r['decode']['GBps']:5.0f} GB/s | {at}")
@@ -124,14 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
-    if args.launch_constant:
-        print(f"{res['gpu']}, {res['date']}: copy {res['copy_GBps']:.0f} GB/s (read + written)")
-        print_launch_constant(res["launch_constant"])
-        return 0
-    print(f"{res['gpu']}, {res['date']}: ({args.batch}, {args.context}), {res['kv_GB']:.2f} GB of K/V; "
-          f"copy {res['copy_GBps']:.0f} GB/s (read + written)")
-    for name, gbps in res["GBps"].items():
-        print(f"  {name:45s} {gbps:7.0f} GB/s  {gbps / res['copy_GBps']:6.1%} of the copy")
+    (print_launch_constant if args.launch_constant else print_patterns)(res)
     return 0
 
 

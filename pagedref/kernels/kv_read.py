@@ -32,9 +32,9 @@ def kv_read(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Te
     partitions, num_kv_heads] int32 gets each CTA's checksum xor'ed into it."""
     if pattern not in build.KV_READ_PATTERNS:
         raise ValueError(f"unknown pattern {pattern!r}: choose from {list(build.KV_READ_PATTERNS)}")
-    steps = 128 if pattern == "whole blocks" else 16  # whole blocks: a block of every KV head per 8 steps
-    if partition_size <= 0 or partition_size % steps:
-        raise ValueError(f"partition_size must be a positive multiple of {steps} for {pattern!r}, got {partition_size}")
+    unit = 128 if pattern == "whole blocks" else 16  # tokens: a 16-token step; whole blocks, 8 steps (a block a head)
+    if partition_size <= 0 or partition_size % unit:
+        raise ValueError(f"partition_size must be a positive multiple of {unit} for {pattern!r}, got {partition_size}")
     if not 0 <= shared_kb <= MAX_SHARED_KB:
         raise ValueError(f"shared_kb takes 0 to {MAX_SHARED_KB} KB, got {shared_kb}")
     validate.check_cache(k_cache, v_cache)
