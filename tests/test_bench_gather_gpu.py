@@ -56,6 +56,20 @@ def test_a_cta_per_short_context_reads_the_bytes_of_its_pattern(pattern):
     assert torch.equal(out.cpu(), want), f"{pattern}: a 208-token CTA's checksum is not that of its bytes"
 
 
+def test_a_cta_per_superpartition_reads_the_bytes_of_its_pattern():
+    # `bench gather --partition 4096`: a CTA per KV head and 4096 tokens, the default decode's grid for a few long
+    # sequences (a CTA per folded superpartition)
+    from pagedref.bench.kernel import NUM_KV_HEADS, DecodeCase
+    from pagedref.kernels.kv_read import kv_read
+
+    case = DecodeCase(batch=2, context=8192, seed=7)
+    out = torch.zeros(2, 2, NUM_KV_HEADS, dtype=torch.int32, device="cuda")
+    kv_read(case.k_cache, case.v_cache, case.block_tables, out, "v3 lanes", 12, partition_size=4096)
+    torch.cuda.synchronize()
+    want = torch.from_numpy(expected_checksums(case.k_cache, case.v_cache, case.block_tables, "v3 lanes", 4096))
+    assert torch.equal(out.cpu(), want), "a 4096-token CTA's checksum is not that of its bytes"
+
+
 def test_the_launch_constant_is_fitted_from_decode_and_the_read_side_by_side():
     from pagedref.bench.gather import launch_constant
 

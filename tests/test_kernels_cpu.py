@@ -478,11 +478,31 @@ def test_bench_kernel_peers_argument(monkeypatch, capsys):
     assert kernel.load_peers(["flashinfer"]) == {"flashinfer": fake}
 
 
+def test_bench_gather_energy_is_joules_a_byte_over_the_idle_draw(capsys):
+    # `--energy`: a run of 100 µs at 0.5 J over 1 GB of K/V is 500 pJ a byte; with 100 W idle (10 mJ in those 100
+    # µs) 490 over idle. Without NVML's counter no energy, and the printout says so; --energy needs the contexts.
+    from pagedref.bench import gather
+
+    run = {"us": 100.0, "mJ": 500.0, "W": 690.0, "MHz": 1500.0, "capped": 1.0}
+    assert gather.picojoules_a_byte(run, 10**9, 100.0) == pytest.approx((500.0, 490.0))
+    assert gather.picojoules_a_byte(run, 10**9, None) == pytest.approx((500.0, None))
+    assert gather.picojoules_a_byte({**run, "mJ": None}, 10**9, 100.0) == (None, None)
+    gather.print_energy({"energy": {"idle_W": 100.0, "seconds": 1.5, "batch": 256, "contexts": [
+        {"context": 208, "kv_bytes": 10**9, "runs": {"read": [run], "copy": [{**run, "mJ": None, "W": None}]}}]}})
+    printed = capsys.readouterr().out
+    assert "idle draw 100 W" in printed and "| 500 (490)" in printed and "| – (–)" in printed, printed
+    with pytest.raises(SystemExit) as exit_info:
+        gather.main(["--energy", "1.5"])
+    assert exit_info.value.code == 2 and "--energy takes" in capsys.readouterr().err
+
+
 def test_the_read_roofline_kernel_is_compiled_by_ci_and_the_gather_bench_refuses_bad_arguments():
     from pagedref.bench import gather
 
     assert {build.kv_read_config(p) for p in build.KV_READ_PATTERNS} <= set(build.ci_configs())
-    for bad in (["--context", "1000"], ["--shared-kb", "64"], ["--batch", "0"]):
+    assert build.kv_read_config("v3 lanes", 4096) in build.ci_configs()  # --partition 4096: a superpartition's CTA
+    for bad in (["--context", "1000"], ["--shared-kb", "64"], ["--batch", "0"], ["--partition", "200"],
+                ["--context", "4096", "--partition", "3072"]):
         with pytest.raises(SystemExit):
             gather.main(bad)
     from pagedref.kernels.kv_read import kv_read
