@@ -126,7 +126,7 @@ def energy(contexts: list[int], batch: int, seconds: float, rounds: int = 2) -> 
                                    "W": tele.power_w if tele else None, "MHz": tele.sm_clock_mhz if tele else None,
                                    "capped": tele.power_capped_share if tele else None})
         res["contexts"].append({"context": context, "kv_bytes": kv_bytes, "pools": len(cases), "runs": runs})
-        del cases, outs, srcs, dsts, calls
+        del cases, outs, srcs, dsts, kinds, calls  # the next context's pools replace these, not join them
         torch.cuda.empty_cache()
     return res
 
