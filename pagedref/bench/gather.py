@@ -80,7 +80,7 @@ def launch_constant(contexts: list[int], batches: list[int], reps: int) -> list[
         for batch in batches:
             case = DecodeCase(batch, context)
             out = torch.zeros(batch, 1, NUM_KV_HEADS, dtype=torch.int32, device="cuda")
-            read = lambda c=case, o=out: kv_read(c.k_cache, c.v_cache, c.block_tables, o, "v3 lanes", 0, c.context)  # noqa: E731
+            read = read_fn(case, "v3 lanes", 0, case.block_tables, out, context)
             times = time_rounds({"decode": [case.run], "read": [read]}, reps)
             points.append({"batch": batch, "kv_bytes": case.kv_bytes, "decode_us": times["decode"][0] * 1e3,
                            "read_us": times["read"][0] * 1e3})
@@ -113,8 +113,7 @@ def energy(contexts: list[int], batch: int, seconds: float, rounds: int = 2) -> 
         srcs = [torch.empty(kv_bytes // 2, dtype=torch.bfloat16, device="cuda") for _ in cases]
         dsts = [torch.empty_like(s) for s in srcs]
         kinds = {"decode": [c.run for c in cases],
-                 "read": [lambda c=c, o=o: kv_read(c.k_cache, c.v_cache, c.block_tables, o, "v3 lanes", 0, context)
-                          for c, o in zip(cases, outs)],
+                 "read": [read_fn(c, "v3 lanes", 0, c.block_tables, o, context) for c, o in zip(cases, outs)],
                  "copy": [lambda s=s, d=d: d.copy_(s) for s, d in zip(srcs, dsts)]}
         # the copy eager: cudaMemcpy's SM kernels (graphed, a copy of 1 GB ran on the copy engines at ~2.8 TB/s)
         calls = {name: prepare(fns, graph=name != "copy")[0] for name, fns in kinds.items()}
@@ -159,7 +158,7 @@ def print_energy(res: dict) -> None:
 
 def print_patterns(res: dict) -> None:
     print(f"{res['gpu']}, {res['date']}: ({res['batch']}, {res['context']}), {res['kv_GB']:.2f} GB of K/V, a CTA per "
-          f"KV head and {res.get('partition', PARTITION_SIZE)} tokens; "
+          f"KV head and {res['partition']} tokens; "
           f"copy {res['copy_GBps']:.0f} GB/s (read + written)")
     for name, gbps in res["GBps"].items():
         print(f"  {name:45s} {gbps:7.0f} GB/s  {gbps / res['copy_GBps']:6.1%} of the copy")

@@ -455,8 +455,8 @@ def ci_configs() -> list[KernelConfig]:
     configs += [prefill_config("bfloat16", head_dim, 16, 3, schedule=s) for head_dim in PREFILL_V3_HEAD_DIMS
                 for s in PREFILL_V3_SCHEDULES.values()]
     configs += [KernelConfig("fused_ops.cu", (("PR_DTYPE", code),)) for code in DTYPE_CODES.values()]  # kernels.fused
-    configs += [kv_read_config(p) for p in KV_READ_PATTERNS]  # bench gather, and its short contexts and superpartitions
-    configs += [kv_read_config("v3 lanes", n) for n in (208, 4096)]
+    configs += [kv_read_config(p) for p in KV_READ_PATTERNS]  # bench gather
+    configs += [kv_read_config("v3 lanes", n) for n in (208, 4096)]  # its short contexts and superpartitions
     configs += [gemm_config(d, GemmTile(bn), silu) for d in ("bfloat16", "float16") for bn in GEMM_WIDTHS
                 for silu in (False, True)]  # kernels.gemm
     return list(dict.fromkeys(configs))  # each once, in order

@@ -54,5 +54,5 @@ def kv_read(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Te
         raise ValueError(f"out must be [{num_seqs}, {parts}, {num_kv_heads}], got {tuple(out.shape)}")
     validate.require_cuda(k_cache, "k_cache")
     args = (launch._ptr(k_cache), launch._ptr(v_cache), launch._ptr(block_tables), np.int32(blocks), launch._ptr(out))
-    launch._launch(build.kv_read_config(pattern, partition_size), "kv_read", k_cache.device, (num_kv_heads, parts, num_seqs), args,
-                   shared_mem=shared_kb << 10)
+    launch._launch(build.kv_read_config(pattern, partition_size), "kv_read", k_cache.device,
+                   (num_kv_heads, parts, num_seqs), args, shared_mem=shared_kb << 10)
