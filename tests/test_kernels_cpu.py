@@ -47,6 +47,26 @@ def test_partition_arithmetic_rejects_nonsense():
         splitk.heads_per_cta(6, 4)
 
 
+def test_the_folded_tree_model_refuses_what_the_kernel_cannot_be():
+    q, k = np.zeros((4, 8), np.float32), np.zeros((100, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="multiple of 64"):  # a warp's slabs would straddle partitions
+        splitk.folded_attend_row(q, k, k, 1.0, partition_size=96)
+    with pytest.raises(ValueError, match="fold_span"):
+        splitk.folded_attend_row(q, k, k, 1.0, 64, fold_span=0)
+    with pytest.raises(ValueError, match="span is a CTA's partitions"):
+        splitk.folded_attend_row(q, k, k, 1.0, 64, span=2)
+    with pytest.raises(ValueError, match="at least one key"):
+        splitk.folded_attend_row(q, k[:0], k[:0], 1.0, 64)
+
+
+def test_the_folded_tree_of_one_slab_is_that_slabs_softmax():
+    # One key, one slab, one warp: the other warps hold nothing, and the merge adds nothing for them.
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((4, 8)), rng.standard_normal((1, 2, 8)), rng.standard_normal((1, 2, 8))
+    out = splitk.folded_attend_row(q, k, v, 0.5, 64)
+    assert np.array_equal(out, np.repeat(v[0], 2, axis=0))  # softmax over one key is 1: the output is its value
+
+
 @pytest.mark.parametrize("elem_size", [2, 4])
 @pytest.mark.parametrize("heads", [1, 2, 4, 8])
 @pytest.mark.parametrize("head_dim", splitk.SUPPORTED_HEAD_DIMS)

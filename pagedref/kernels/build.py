@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from pagedref.kernels.splitk import (MMA_HEAD_DIMS, MMA_MIN_CTAS_PER_SM, MMA_PARTITION_SIZE, PARTITION_SIZE,
+from pagedref.kernels.splitk import (FOLD_SPAN, MMA_HEAD_DIMS, MMA_MIN_CTAS_PER_SM, MMA_PARTITION_SIZE, PARTITION_SIZE,
                                      SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS, min_ctas_per_sm, mma_supported, threads_per_token)
 
 CUDA_DIR = Path(os.environ.get("PAGEDREF_CUDA_DIR", Path(__file__).resolve().parents[2] / "cuda"))
@@ -63,7 +63,7 @@ class DecodeTuning:
     stages: int = 4  # depth of that ring
 
 
-MAX_SPAN = 4  # partitions one v3 CTA may compute in turn
+MAX_SPAN = FOLD_SPAN  # partitions one v3 CTA may compute in turn: at most one superpartition of the folded tree
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,16 @@ P = PARTITION_SIZE a constant never derived from the batch, so the arithmetic a 
 through (and hence its bits) does not depend on what else is in the batch or where its blocks live.
 
 This module holds the launch arithmetic the kernels share with Python (partition counts, how many
-query heads one CTA serves) and a numpy model of split-K that the stage 5 lesson checks against
-the oracle. It needs neither a GPU nor cupy.
+query heads one CTA serves) and numpy models of split-K that the stage 5 lesson checks against the
+oracle: v2's (each partition's softmax, then the merge) and v3's trees (each warp's online softmax over
+its own slabs; its states folded over a superpartition's partitions, then merged over the warps). The
+models fix the trees, not the GPU's bits: the kernels sum inside an mma and round exp2 their own way.
+It needs neither a GPU nor cupy.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,6 +29,9 @@ from pagedref.attention import attend_row, compute_dtype
 PARTITION_SIZE = 512  # tokens per split-K partition: fixed, so results are batch-invariant
 MMA_PARTITION_SIZE = 1024  # the same for the tensor-core kernel (v3): fastest on the H200 (docs/benchmarks.md)
 NUM_THREADS = 128  # threads per CTA of every attention kernel
+SLAB = 16  # v3: keys a warp computes at a time (the rows of one mma), slab i of a partition on warp i % MMA_WARPS
+MMA_WARPS = 4  # v3: warps of a CTA, each with its own online softmax over its slabs
+FOLD_SPAN = 4  # v3's folded tree: partitions of a superpartition (cuda/paged_attention.cu's FOLD_SPAN)
 MAX_HEADS_PER_CTA = 8  # query heads of one GQA group served by one decode CTA (register budget)
 PREFILL_ROWS = 16  # query rows per prefill CTA (4 warps x 4 rows)
 SUPPORTED_HEAD_DIMS = (8, 16, 32, 64, 80, 96, 112, 120, 128, 192, 256)
@@ -122,14 +130,22 @@ def softmax_stats(q: np.ndarray, k: np.ndarray, scale: float) -> tuple[np.ndarra
 
     q: [num_heads, head_dim]; k: [n, num_kv_heads, head_dim] -> (m [num_heads], l [num_heads]).
     """
+    logits = scaled_logits(q, k, scale)  # [H, n]
+    m = logits.max(-1)
+    return m, np.exp(logits - m[:, None]).sum(-1)
+
+
+def scaled_logits(q: np.ndarray, k: np.ndarray, scale: float) -> np.ndarray:
+    """scale * q.k for every query head and key.
+
+    q: [num_heads, head_dim]; k: [n, num_kv_heads, head_dim] -> [num_heads, n] (query head h reads KV head h // G).
+    """
     num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     dt = compute_dtype(q.dtype)
     qg = q.astype(dt).reshape(num_kv_heads, num_heads // num_kv_heads, 1, head_dim)  # [Hkv, G, 1, d]
     logits = (qg * k.astype(dt).transpose(1, 0, 2)[:, None]).sum(-1) * dt.type(scale)  # [Hkv, G, n]
-    m = logits.max(-1)
-    l = np.exp(logits - m[..., None]).sum(-1)
-    return m.reshape(num_heads), l.reshape(num_heads)
+    return logits.reshape(num_heads, -1)
 
 
 def merge_partials(o: np.ndarray, m: np.ndarray, l: np.ndarray) -> np.ndarray:
@@ -159,3 +175,109 @@ def split_k_attend_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float
     m = np.stack([s[0] for s in stats])  # [P, H]
     l = np.stack([s[1] for s in stats])  # [P, H]
     return merge_partials(o, m, l).astype(o.dtype)
+
+
+# --- v3's trees ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class WarpState:
+    """One warp's online softmax over the keys it has computed: the largest logit m [H], the exp-sum l [H] and the
+    unnormalised p.V acc [H, d], both on that max. A warp that computed no key: m = -inf, l = 0, acc = 0."""
+
+    m: np.ndarray
+    l: np.ndarray
+    acc: np.ndarray
+
+    @property
+    def empty(self) -> bool:
+        return bool(np.isneginf(self.m).all())
+
+
+def warp_states(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> list[WarpState]:
+    """One partition's keys (k, v [n, num_kv_heads, head_dim], n <= its size) computed as v3's MMA_WARPS warps
+    compute them: slab i (keys 16 i .. 16 i + 15) on warp i % MMA_WARPS, each warp's slabs in order, one
+    online-softmax step a slab (new max, the state rescaled to it, the slab's terms added)."""
+    dt = compute_dtype(q.dtype)
+    num_heads, head_dim = q.shape
+    states = [WarpState(np.full(num_heads, -np.inf, dt), np.zeros(num_heads, dt), np.zeros((num_heads, head_dim), dt))
+              for _ in range(MMA_WARPS)]
+    group = num_heads // k.shape[1]
+    for i, a in enumerate(range(0, k.shape[0], SLAB)):
+        st = states[i % MMA_WARPS]
+        s = scaled_logits(q, k[a:a + SLAB], scale)  # [H, n]
+        m = np.maximum(st.m, s.max(-1))
+        f = np.exp(st.m - m)  # 0 on the warp's first slab
+        p = np.exp(s - m[:, None])  # [H, n]
+        vh = v[a:a + SLAB].astype(dt).transpose(1, 0, 2).repeat(group, axis=0)  # [H, n, d]
+        st.m, st.l, st.acc = m, st.l * f + p.sum(-1), st.acc * f[:, None] + (p[..., None] * vh).sum(-2)
+    return states
+
+
+def fold_state(saved: WarpState, later: WarpState) -> WarpState:
+    """The folded tree's one rule: a warp's state of a later partition folded into its state of the partitions
+    before. M = max(m, m'); every sum becomes x' exp(m' - M) + x exp(m - M). A state with no key adds nothing."""
+    if later.empty:
+        return saved
+    if saved.empty:
+        return later
+    m = np.maximum(saved.m, later.m)
+    f_old, f_new = np.exp(saved.m - m), np.exp(later.m - m)
+    return WarpState(m, later.l * f_new + saved.l * f_old, later.acc * f_new[:, None] + saved.acc * f_old[:, None])
+
+
+def merge_warps(states: list[WarpState]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The warps' states merged in warp order, as the kernel's epilogue merges them.
+
+    -> (o [H, d] normalised, m [H], l [H]): a partition's (or a superpartition's) share for merge_partials."""
+    m = states[0].m
+    for st in states[1:]:
+        m = np.maximum(m, st.m)  # a max is exact in any order
+    l, acc = np.zeros_like(states[0].l), np.zeros_like(states[0].acc)
+    for st in states:
+        f = np.exp(st.m - m)  # 0 for a warp with no key
+        l, acc = l + st.l * f, acc + st.acc * f[:, None]
+    return acc / l[:, None], m, l
+
+
+def folded_attend_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
+                      partition_size: int = MMA_PARTITION_SIZE, fold_span: int = FOLD_SPAN,
+                      span: int | None = None) -> np.ndarray:
+    """One query token's attention through v3's tree: partitions of `partition_size` keys, grouped in superpartitions
+    of `fold_span`; in each, every warp's states folded over the partitions in order, then merged over the warps;
+    the superpartitions merged as partitions are (merge_partials). fold_span=1 is the tree before the fold (each
+    partition merged over its warps, then the partitions).
+
+    `span` is the schedule, never a bit: FOLD_SPAN (the default) computes a superpartition as one CTA does, folding
+    each partition into its warps' states as it ends; 1 computes each partition as its own CTA does, its raw warp
+    states kept, and folds them afterwards as the fold reduce kernel does. The same folds in the same order.
+    q: [num_heads, head_dim]; k, v: [ctx_len, num_kv_heads, head_dim] -> [num_heads, head_dim] (compute dtype).
+    """
+    if partition_size <= 0 or partition_size % (SLAB * MMA_WARPS):
+        raise ValueError(f"partition_size must be a positive multiple of {SLAB * MMA_WARPS} (a warp's slabs must not "
+                         f"straddle partitions), got {partition_size}")
+    if fold_span < 1:
+        raise ValueError(f"fold_span must be >= 1, got {fold_span}")
+    if k.shape[0] == 0:
+        raise ValueError("a decode row attends to at least one key (its own token's)")
+    span = fold_span if span is None else span
+    if span not in (1, fold_span):
+        raise ValueError(f"span is a CTA's partitions: 1 or the superpartition's {fold_span}, got {span}")
+    parts = partition_bounds(k.shape[0], partition_size)
+    supers = [parts[i:i + fold_span] for i in range(0, len(parts), fold_span)]
+    shares = []
+    for sup in supers:
+        if span == 1:  # one partition a CTA: every warp state written as it is, then folded by the reduce
+            raw = [warp_states(q, k[a:b], v[a:b], scale) for a, b in sup]  # [partition][warp]
+            folded = [raw[0][w] for w in range(MMA_WARPS)]
+            for later in raw[1:]:
+                folded = [fold_state(folded[w], later[w]) for w in range(MMA_WARPS)]
+        else:  # a CTA per superpartition: each partition folded in as it ends
+            folded = None
+            for a, b in sup:
+                states = warp_states(q, k[a:b], v[a:b], scale)
+                folded = states if folded is None else [fold_state(f, st) for f, st in zip(folded, states)]
+        shares.append(merge_warps(folded))
+    if len(shares) == 1:
+        return shares[0][0]
+    o, m, l = (np.stack(x) for x in zip(*shares))  # [S, H, d], [S, H], [S, H]
+    return merge_partials(o, m, l)

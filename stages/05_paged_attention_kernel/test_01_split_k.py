@@ -100,3 +100,59 @@ def test_step9_each_cta_serves_a_whole_number_of_query_heads_of_one_kv_head():
     for num_heads, num_kv_heads, expect in ((32, 8, 4), (28, 4, 7), (128, 8, 8), (8, 8, 1), (48, 4, 6)):
         g = sk.heads_per_cta(num_heads, num_kv_heads)
         assert g == expect and (num_heads // num_kv_heads) % g == 0 and g <= sk.MAX_HEADS_PER_CTA
+
+
+def test_step10_a_v3_partition_is_its_warps_online_softmaxes_merged():
+    # v3 gives a partition's 16-key slabs to 4 warps in turn (slab i to warp i % 4), each warp keeping an online
+    # softmax over its own slabs; the epilogue merges the warps' states on their common max. In real arithmetic
+    # that is the partition's softmax. A warp whose slabs ran out (a short partition) holds nothing and adds nothing.
+    sk = splitk()
+    for ctx in (16, 40, 64, 200):  # one slab; three, the last short; one a warp; several a warp
+        q, k, v, scale = random_row(ctx, dtype=np.float64, seed=ctx)
+        states = sk.warp_states(q, k, v, scale)
+        busy = [not st.empty for st in states]
+        assert len(states) == sk.MMA_WARPS and busy == [w < -(-ctx // sk.SLAB) for w in range(sk.MMA_WARPS)], (
+            f"stage 5: slab i (keys 16 i .. 16 i + 15) is warp i % 4's: at {ctx} keys the warps with a slab are "
+            f"{[w for w in range(sk.MMA_WARPS) if w < -(-ctx // sk.SLAB)]}, got {[w for w, b in enumerate(busy) if b]}")
+        o, m, l = sk.merge_warps(states)
+        m_ref, l_ref = sk.softmax_stats(q, k, scale)
+        assert np.array_equal(m, m_ref), "stage 5: the merged max is the partition's largest logit (a max is exact)"
+        o_ref = attend_row(q, k, v, scale)
+        exact = np.allclose(l, l_ref, rtol=1e-13, atol=0) and np.allclose(o, o_ref, rtol=0, atol=1e-13)
+        assert exact, (
+            "stage 5: the warps' states, each rescaled by exp(m_w - m) to the common max and added, are the "
+            "partition's exp-sum and p.V")
+
+
+def test_step11_the_folded_tree_is_attention_in_real_arithmetic_and_other_bits_than_the_plain_tree():
+    # v3's default tree groups a sequence's partitions in superpartitions of FOLD_SPAN (4): each warp's state of
+    # each partition is folded into its state of the partitions before (new max, both sides rescaled, added), then
+    # the warps are merged, then the superpartitions as v2 merges partitions. fold_span=1 is the tree before it.
+    # Both are exact in real arithmetic; in float32 they group the same terms differently, so the bits differ:
+    # the tree is part of the contract, fixed by the library like the partition size, never by the batch.
+    sk = splitk()
+    q, k, v, scale = random_row(1000, seed=6)  # 16 partitions of 64 keys: 4 superpartitions
+    ref = attend_row(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), scale)
+    for fold_span in (1, sk.FOLD_SPAN):
+        exact = sk.folded_attend_row(*(x.astype(np.float64) for x in (q, k, v)), scale, 64, fold_span)
+        assert np.abs(exact - ref).max() <= 1e-13, (
+            f"stage 5: the tree of superpartitions of {fold_span} is attention in real arithmetic")
+    folded, plain = (sk.folded_attend_row(q, k, v, scale, 64, f) for f in (sk.FOLD_SPAN, 1))
+    assert np.abs(folded - plain).max() <= 1e-6
+    assert not np.array_equal(folded, plain), (
+        "stage 5: the folded tree associates the sums differently from the partition-by-partition one "
+        "(fold_span 4 and 1 gave the same bits: the warps' states were not folded over the superpartition)")
+
+
+def test_step12_one_partition_a_cta_then_the_fold_reduce_gives_the_superpartition_ctas_bits():
+    # A few long sequences fill the GPU better with one partition a CTA: each CTA then writes its warps' states
+    # as they are, and the fold reduce folds them, partition by partition in order, before it merges the warps:
+    # the very folds a superpartition's CTA does as each partition ends. So the launcher may pick either from the
+    # batch (build.span_schedule) and no bit moves.
+    sk = splitk()
+    for ctx in (64, 300, 1000, 1100):  # one partition; a whole superpartition and a short one; whole ones; a 1-slab end
+        q, k, v, scale = random_row(ctx, seed=ctx)
+        assert np.array_equal(sk.folded_attend_row(q, k, v, scale, 64, span=sk.FOLD_SPAN),
+                              sk.folded_attend_row(q, k, v, scale, 64, span=1)), (
+            f"stage 5: one partition a CTA, folded afterwards, must give a superpartition CTA's bits ({ctx} keys): "
+            "fold each warp's states in partition order, then merge the warps, as the superpartition's CTA does")

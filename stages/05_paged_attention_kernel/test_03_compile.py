@@ -36,7 +36,7 @@ CONFIGS = representative_configs()
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.file + ":" + ",".join(f"{k}={v}" for k, v in c.defines[:4]))
-def test_step20_kernel_compiles_for_sm90(config, tmp_path):
+def test_step23_kernel_compiles_for_sm90(config, tmp_path):
     build = lesson("pagedref.kernels.build")
     res = subprocess.run(build.nvcc_command(config, tmp_path / "k.ptx"), capture_output=True, text=True)
     assert res.returncode == 0, res.stderr

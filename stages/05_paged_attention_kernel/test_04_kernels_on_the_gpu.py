@@ -36,7 +36,7 @@ def poisoned(p):
 # Step 1: the decode kernel computes attention, to float tolerance, writing every output element.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("version", [1, 2])
-def test_step21_decode_matches_the_float64_oracle(dtype, version):
+def test_step24_decode_matches_the_float64_oracle(dtype, version):
     p = T.make_problem([1, 17, 300, 1300], num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, seed=1)
     out = decode(p, out=poisoned(p), version=version)
     assert torch.isfinite(out).all(), "some output element was never written (or NaN leaked in)"
@@ -44,7 +44,7 @@ def test_step21_decode_matches_the_float64_oracle(dtype, version):
 
 
 # Step 2: contexts spanning many partitions are merged correctly by the reduce kernel.
-def test_step22_long_context_split_into_partitions():
+def test_step25_long_context_split_into_partitions():
     ctx = [3 * 512, 3 * 512 + 1, 5000]  # whole partitions, one token over, a ragged tail
     p = T.make_problem(ctx, num_heads=4, num_kv_heads=4, head_dim=128, block_size=32, seed=2)
     out = decode(p, out=poisoned(p))
@@ -55,7 +55,7 @@ def test_step22_long_context_split_into_partitions():
 UNOWNED = "a slot no token owns (past a context, in its last block) reached the output: never read it, not even masked"
 
 
-def test_step23_nan_in_unused_slots_never_reaches_a_result():
+def test_step26_nan_in_unused_slots_never_reaches_a_result():
     p = T.make_problem([5, 16, 33], head_dim=32, block_size=16, dtype=torch.bfloat16, spare_blocks=8, seed=3)
     assert torch.isnan(p.k_cache).any() and torch.isnan(p.v_cache).any()
     assert torch.isfinite(decode(p)).all(), UNOWNED
@@ -71,7 +71,7 @@ def test_step23_nan_in_unused_slots_never_reaches_a_result():
 
 # Step 4: where the blocks live does not change a single bit.
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
-def test_step24_block_placement_does_not_change_a_bit(kernel):
+def test_step27_block_placement_does_not_change_a_bit(kernel):
     p = T.make_problem([700, 40, 1200], [1, 7, 30] if kernel == "prefill" else None, head_dim=64,
                        dtype=torch.bfloat16, seed=4)
     run = decode if kernel == "decode" else prefill
@@ -80,7 +80,7 @@ def test_step24_block_placement_does_not_change_a_bit(kernel):
 
 # Step 5: what else is in the batch does not change a single bit (fixed partition size).
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
-def test_step25_batch_composition_does_not_change_a_bit(kernel):
+def test_step28_batch_composition_does_not_change_a_bit(kernel):
     p = T.make_problem([2000, 3, 600, 129], [1, 2, 9, 20] if kernel == "prefill" else None, head_dim=128,
                        num_heads=8, num_kv_heads=2, dtype=torch.float16, seed=6)
     run = decode if kernel == "decode" else prefill
@@ -93,7 +93,7 @@ def test_step25_batch_composition_does_not_change_a_bit(kernel):
 
 # Step 6: prefill of query chunks over a cached prefix is causal attention over the whole context.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step26_prefill_matches_the_float64_oracle(dtype):
+def test_step29_prefill_matches_the_float64_oracle(dtype):
     p = T.make_problem([37, 300, 64, 1], [37, 45, 1, 1], num_heads=6, num_kv_heads=2, head_dim=80,
                        block_size=8, dtype=dtype, seed=7)
     out = prefill(p, out=poisoned(p))
@@ -102,7 +102,7 @@ def test_step26_prefill_matches_the_float64_oracle(dtype):
 
 
 # Step 7: the pool writes are exact copies: reshape_and_cache scatters, copy_blocks duplicates.
-def test_step27_reshape_and_cache_and_copy_blocks_are_exact():
+def test_step30_reshape_and_cache_and_copy_blocks_are_exact():
     pools = [(torch.randn(10, 16, 2, 64, device="cuda"), torch.randn(10, 16, 2, 64, device="cuda")) for _ in range(3)]
     expect = [(k.clone(), v.clone()) for k, v in pools]
     key, value = torch.randn(20, 2, 64, device="cuda"), torch.randn(20, 2, 64, device="cuda")
@@ -117,7 +117,7 @@ def test_step27_reshape_and_cache_and_copy_blocks_are_exact():
 
 
 # Step 8: a bad block id is refused before any launch, naming the argument.
-def test_step28_a_block_id_outside_the_pool_is_refused():
+def test_step31_a_block_id_outside_the_pool_is_refused():
     p = T.make_problem([40, 40], head_dim=16, seed=8)
     p.block_tables[1, 2] = p.k_cache.shape[0]
     with pytest.raises(ValueError, match=r"block_tables\[1, 2\]"):
