@@ -190,6 +190,7 @@ class WarpState:
 
     @property
     def empty(self) -> bool:
+        """A warp that computed no key of its partition (its max is -inf for every head): it adds nothing."""
         return bool(np.isneginf(self.m).all())
 
 
