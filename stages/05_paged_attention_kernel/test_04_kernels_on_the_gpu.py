@@ -33,7 +33,7 @@ def poisoned(p):
     return torch.full_like(p.q, float("nan"))
 
 
-# Step 1: the decode kernel computes attention, to float tolerance, writing every output element.
+# Step 24: the decode kernel computes attention, to float tolerance, writing every output element.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("version", [1, 2])
 def test_step24_decode_matches_the_float64_oracle(dtype, version):
@@ -43,7 +43,7 @@ def test_step24_decode_matches_the_float64_oracle(dtype, version):
     assert T.max_rel_err(out, T.oracle(p), p) <= TOL[dtype]
 
 
-# Step 2: contexts spanning many partitions are merged correctly by the reduce kernel.
+# Step 25: contexts spanning many partitions are merged correctly by the reduce kernel.
 def test_step25_long_context_split_into_partitions():
     ctx = [3 * 512, 3 * 512 + 1, 5000]  # whole partitions, one token over, a ragged tail
     p = T.make_problem(ctx, num_heads=4, num_kv_heads=4, head_dim=128, block_size=32, seed=2)
@@ -51,7 +51,7 @@ def test_step25_long_context_split_into_partitions():
     assert T.max_rel_err(out, T.oracle(p), p) <= 1e-5
 
 
-# Step 3: the slots nobody owns hold NaN; a kernel that read one would return NaN.
+# Step 26: the slots nobody owns hold NaN; a kernel that read one would return NaN.
 UNOWNED = "a slot no token owns (past a context, in its last block) reached the output: never read it, not even masked"
 
 
@@ -69,7 +69,7 @@ def test_step26_nan_in_unused_slots_never_reaches_a_result():
     assert torch.isfinite(prefill(p, out=poisoned(p))).all(), UNOWNED
 
 
-# Step 4: where the blocks live does not change a single bit.
+# Step 27: where the blocks live does not change a single bit.
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
 def test_step27_block_placement_does_not_change_a_bit(kernel):
     p = T.make_problem([700, 40, 1200], [1, 7, 30] if kernel == "prefill" else None, head_dim=64,
@@ -78,7 +78,7 @@ def test_step27_block_placement_does_not_change_a_bit(kernel):
     assert T.same_bits(run(p), run(T.permute_blocks(p, seed=5)))
 
 
-# Step 5: what else is in the batch does not change a single bit (fixed partition size).
+# Step 28: what else is in the batch does not change a single bit (fixed partition size).
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
 def test_step28_batch_composition_does_not_change_a_bit(kernel):
     p = T.make_problem([2000, 3, 600, 129], [1, 2, 9, 20] if kernel == "prefill" else None, head_dim=128,
@@ -91,7 +91,7 @@ def test_step28_batch_composition_does_not_change_a_bit(kernel):
         assert T.same_bits(sub, full[rows.to(full.device)])
 
 
-# Step 6: prefill of query chunks over a cached prefix is causal attention over the whole context.
+# Step 29: prefill of query chunks over a cached prefix is causal attention over the whole context.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_step29_prefill_matches_the_float64_oracle(dtype):
     p = T.make_problem([37, 300, 64, 1], [37, 45, 1, 1], num_heads=6, num_kv_heads=2, head_dim=80,
@@ -101,7 +101,7 @@ def test_step29_prefill_matches_the_float64_oracle(dtype):
     assert T.max_rel_err(out, T.oracle(p), p) <= TOL[dtype]
 
 
-# Step 7: the pool writes are exact copies: reshape_and_cache scatters, copy_blocks duplicates.
+# Step 30: the pool writes are exact copies: reshape_and_cache scatters, copy_blocks duplicates.
 def test_step30_reshape_and_cache_and_copy_blocks_are_exact():
     pools = [(torch.randn(10, 16, 2, 64, device="cuda"), torch.randn(10, 16, 2, 64, device="cuda")) for _ in range(3)]
     expect = [(k.clone(), v.clone()) for k, v in pools]
@@ -116,9 +116,23 @@ def test_step30_reshape_and_cache_and_copy_blocks_are_exact():
     assert all(T.same_bits(a, b) for pa, pb in zip(pools, expect) for a, b in zip(pa, pb))
 
 
-# Step 8: a bad block id is refused before any launch, naming the argument.
+# Step 31: a bad block id is refused before any launch, naming the argument.
 def test_step31_a_block_id_outside_the_pool_is_refused():
     p = T.make_problem([40, 40], head_dim=16, seed=8)
     p.block_tables[1, 2] = p.k_cache.shape[0]
     with pytest.raises(ValueError, match=r"block_tables\[1, 2\]"):
         decode(p)
+
+
+# Step 32: step 12 on the GPU: v3's folded tree from a CTA per superpartition or a CTA per partition, the same bits.
+def test_step32_the_folded_tree_gives_the_same_bits_whichever_ctas_compute_the_partitions():
+    build = lesson("pagedref.kernels.build")
+    P = 512  # contexts: one partition, a short superpartition, a whole one, one token past it, several and a tail
+    p = T.make_problem([1, P + 1, 4 * P, 4 * P + 1, 9 * P + 77], num_heads=8, num_kv_heads=2, head_dim=128,
+                       dtype=torch.bfloat16, seed=8)
+    per_partition = decode(p, out=poisoned(p), tuning=build.MmaTuning(partition_size=P, span=1))
+    assert T.max_rel_err(per_partition, T.oracle(p), p) <= TOL[torch.bfloat16]
+    per_superpartition = decode(p, out=poisoned(p), tuning=build.MmaTuning(partition_size=P, span=4))
+    assert T.same_bits(per_partition, per_superpartition), (
+        "stage 5: one partition a CTA (the fold reduce folding its warps' states) and a CTA per superpartition "
+        "(folding in its slab loop) must give the same bits: the same folds in the same order")
