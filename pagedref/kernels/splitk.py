@@ -20,6 +20,7 @@ It needs neither a GPU nor cupy.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -230,9 +231,7 @@ def merge_warps(states: list[WarpState]) -> tuple[np.ndarray, np.ndarray, np.nda
     """The warps' states merged in warp order, as the kernel's epilogue merges them.
 
     -> (o [H, d] normalised, m [H], l [H]): a partition's (or a superpartition's) share for merge_partials."""
-    m = states[0].m
-    for st in states[1:]:
-        m = np.maximum(m, st.m)  # a max is exact in any order
+    m = np.max([st.m for st in states], axis=0)  # a max is exact in any order
     l, acc = np.zeros_like(states[0].l), np.zeros_like(states[0].acc)
     for st in states:
         f = np.exp(st.m - m)  # 0 for a warp with no key
@@ -265,19 +264,14 @@ def folded_attend_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
         raise ValueError(f"span is a CTA's partitions: 1 or the superpartition's {fold_span}, got {span}")
     parts = partition_bounds(k.shape[0], partition_size)
     supers = [parts[i:i + fold_span] for i in range(0, len(parts), fold_span)]
+    fold_warps = lambda saved, later: [fold_state(f, st) for f, st in zip(saved, later)]  # noqa: E731 (per warp)
     shares = []
     for sup in supers:
-        if span == 1:  # one partition a CTA: every warp state written as it is, then folded by the reduce
-            raw = [warp_states(q, k[a:b], v[a:b], scale) for a, b in sup]  # [partition][warp]
-            folded = [raw[0][w] for w in range(MMA_WARPS)]
-            for later in raw[1:]:
-                folded = [fold_state(folded[w], later[w]) for w in range(MMA_WARPS)]
-        else:  # a CTA per superpartition: each partition folded in as it ends
-            folded = None
-            for a, b in sup:
-                states = warp_states(q, k[a:b], v[a:b], scale)
-                folded = states if folded is None else [fold_state(f, st) for f, st in zip(folded, states)]
-        shares.append(merge_warps(folded))
+        # A CTA per superpartition: each partition's warp states folded in as the partition ends (a generator).
+        states = (warp_states(q, k[a:b], v[a:b], scale) for a, b in sup)  # [partition][warp]
+        if span == 1:  # one partition a CTA: every partition's warp states written as they are first
+            states = list(states)
+        shares.append(merge_warps(functools.reduce(fold_warps, states)))  # then the same folds, in partition order
     if len(shares) == 1:
         return shares[0][0]
     o, m, l = (np.stack(x) for x in zip(*shares))  # [S, H, d], [S, H], [S, H]

@@ -114,6 +114,11 @@ def test_step10_a_v3_partition_is_its_warps_online_softmaxes_merged():
         assert len(states) == sk.MMA_WARPS and busy == [w < -(-ctx // sk.SLAB) for w in range(sk.MMA_WARPS)], (
             f"stage 5: slab i (keys 16 i .. 16 i + 15) is warp i % 4's: at {ctx} keys the warps with a slab are "
             f"{[w for w in range(sk.MMA_WARPS) if w < -(-ctx // sk.SLAB)]}, got {[w for w, b in enumerate(busy) if b]}")
+        for w, st in enumerate(states):  # each warp's max is the largest logit of its own slabs' keys (exact)
+            keys = [t for t in range(ctx) if t // sk.SLAB % sk.MMA_WARPS == w]
+            assert not keys or np.array_equal(st.m, sk.softmax_stats(q, k[keys], scale)[0]), (
+                f"stage 5: slab i (keys 16 i .. 16 i + 15) is warp i % 4's: warp {w}'s max at {ctx} keys is not the "
+                f"largest logit of slabs {w}, {w + 4}, ...")
         o, m, l = sk.merge_warps(states)
         m_ref, l_ref = sk.softmax_stats(q, k, scale)
         assert np.array_equal(m, m_ref), "stage 5: the merged max is the partition's largest logit (a max is exact)"
