@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.partition <= 0 or args.partition % 128 or args.context <= 0 or args.context % args.partition \
             or args.batch <= 0:
-        ap.error("--partition must be a positive multiple of 128, --context a positive multiple of it, --batch positive")
+        ap.error("--partition must be a positive multiple of 128, --context a positive multiple of it, "
+                 "--batch positive")
     if args.launch_constant and (any(c <= 0 or c % 16 for c in args.launch_constant) or len(set(args.batches)) < 2
                                  or min(args.batches) <= 0):
         ap.error("--launch-constant takes positive multiples of 16, fitted over at least two positive --batches")
