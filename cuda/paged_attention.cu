@@ -73,6 +73,14 @@
 //      writes its 4 warps' states as they are and paged_attention_fold_reduce folds them with the same
 //      operations in the same order: the same bits, for 4x the partials and a longer merge (1.5-4% slower
 //      than the unfolded tree at (2-12, 8192-32768)). The bits are a function of the sequence alone either way.
+//   v3 with SPAN_FOLD=1 and RAW_SPAN=1 (the default's third build since 2026-12-05; build.MmaTuning.raw_span): a
+//      CTA computes 2 partitions of a superpartition in turn, keeps each one's warp states in a slot of their own
+//      (no fold in the loop) and writes them as two CTAs of one partition would (write_raw_states), so the fold
+//      reduce folds the same states: the bits of one partition a CTA, from half the CTAs. Where one partition a
+//      CTA would run more than one wave and at most 1.5 (build.RAW_WAVES: its second wave at most half full,
+//      its CTAs a tail on an otherwise idle GPU), the grid of 2 partitions a CTA is one wave: +17% at 1.09 waves
+//      ((9, 8192), (18, 4096)), +13% at 1.21, +5% at 1.33, +1-3% at 1.45; -3 to -10% from 1.58 waves up and
+//      -6% within one wave, where it is not taken (H200, 2026-12-05, docs/benchmarks.md).
 //   v3 with MERGE_IN_KERNEL=1 (candidates, not the default): the last partition CTA of each
 //      (sequence, head group) to finish merges the partitions itself (a ticket counter per group,
 //      flash-decoding's "last block reduces"), so no reduce launch follows; the same operations in
@@ -102,14 +110,15 @@
 //           of one sequence and partition are neighbours in launch order; v2's span is 1)
 //   reduce: grid (num_seqs, ceil(num_heads * ceil(HEAD_DIM / 32) / NUM_WARPS)), block NUM_THREADS (a warp per
 //           32 dims of a head)
-//   fold reduce (SPAN_FOLD=1, one partition a CTA): grid (num_seqs, num_heads * ceil(HEAD_DIM / 32)), a CTA per 32
+//   fold reduce (SPAN_FOLD=1, spans of 1 or 2): grid (num_seqs, num_heads * ceil(HEAD_DIM / 32)), a CTA per 32
 //           dims of a head, its warps folding different superpartitions
 //
 // Compile-time parameters (-D): PR_DTYPE (0 fp32, 1 fp16, 2 bf16), HEAD_DIM (a multiple of VEC,
 // <= 256), BLOCK_SIZE, HEADS_PER_CTA (<= 8, divides the GQA group), PARTITION_SIZE (a multiple of
 // BLOCK_SIZE), UNROLL (tokens per pipeline step per thread), THREADS_PER_TOKEN (power of two <= 32),
 // MIN_CTAS_PER_SM (v2's and v3's register budget: __launch_bounds__'s second argument), SPAN_SLOTS (v3:
-// partitions a CTA may compute in turn, 1-4; build.span_slots), SPAN_FOLD (0/1: v3's folded tree), ASYNC_COPY
+// partitions a CTA may compute in turn, 1-4; build.span_slots), SPAN_FOLD (0/1: v3's folded tree), RAW_SPAN (0/1:
+// its spans of 2 write raw warp states), ASYNC_COPY
 // (0/1), STAGES (depth of the cp.async ring), DECODE_MMA (0/1: compile v3), KV_LOAD_HINT (0/1: v3's
 // K/V loads skip L1 and prefetch whole 256-byte rows into L2), KV_EVICT_FIRST (0/1: v3's K/V loads
 // skip L1 and leave L2 first), KV_PREFETCH (0/1: v3 asks L2 for the
@@ -139,6 +148,10 @@
 #define SPAN_FOLD 0  // v3's folded tree (superpartitions of FOLD_SPAN partitions; build.MmaTuning.fold): see write_folded
 #endif
 constexpr int FOLD_SPAN = 4;  // partitions of a superpartition (build.MAX_SPAN)
+#ifndef RAW_SPAN
+#define RAW_SPAN 0  // SPAN_FOLD: a CTA of RAW_SLOTS partitions writes each one's warp states (write_raw_states)
+#endif
+constexpr int RAW_SLOTS = 2;  // RAW_SPAN: partitions of such a CTA (build.RAW_SPAN), a state slot each
 
 constexpr int G = HEADS_PER_CTA;
 
@@ -602,9 +615,10 @@ static_assert(PARTITION_SIZE % (SLAB * NUM_WARPS) == 0, "v3: a warp's slabs must
 #ifndef SPAN_SLOTS
 #define SPAN_SLOTS 1  // partitions one CTA may compute in turn (their warps' states share the CTA's shared memory)
 #endif
-constexpr int STATE_SLOTS = SPAN_FOLD ? 1 : SPAN_SLOTS;  // warps' state slots in shared memory
+constexpr int STATE_SLOTS = SPAN_FOLD ? (RAW_SPAN ? RAW_SLOTS : 1) : SPAN_SLOTS;  // warps' state slots in shared memory
 static_assert(!SPAN_FOLD || SPAN_SLOTS == 1 || SPAN_SLOTS == FOLD_SPAN, "a folded span is one whole superpartition");
 static_assert(!(SPAN_FOLD && MERGE_IN_KERNEL), "the in-kernel merge merges partitions, not folded superpartitions");
+static_assert(!RAW_SPAN || (SPAN_FOLD && SPAN_SLOTS == FOLD_SPAN), "raw spans are the folded tree's span build's");
 constexpr int KCH = HEAD_DIM / 32;  // K: 32-dim pieces, 16-byte slices per lane per token row (two rows per lane)
 constexpr bool K16 = HEAD_DIM % 32 >= 16;  // K: a 16-dim piece after them (8-byte slices)
 constexpr bool K8 = HEAD_DIM % 16 == 8;    // K: an 8-dim piece last (4-byte slices)
@@ -915,6 +929,24 @@ __device__ __forceinline__ void write_folded(scalar_t *__restrict__ out, float *
   }
 }
 
+#if SPAN_FOLD && RAW_SPAN
+// RAW_SPAN=1, a CTA of RAW_SLOTS partitions (span 2 < FOLD_SPAN; build.MmaTuning.raw_span), after the slab loop and a
+// barrier: slot q holds each warp's state of partition part0 + q as it was at that partition's end (save_partition),
+// or the empty state of a warp with no slab there. Written as write_folded writes a CTA of one partition's ([row,
+// partition, warp]: p.V unnormalized, max in log2 units, exp-sum), the same values copied, so the fold reduce folds
+// the same states as after one partition a CTA: its bits, from half the CTAs.
+__device__ __forceinline__ void write_raw_states(float *__restrict__ tmp_out, float *__restrict__ max_logits,
+                                                 float *__restrict__ exp_sums, long long row0, int max_parts, int part0,
+                                                 int num_q) {
+  for (int i = threadIdx.x; i < num_q * NUM_WARPS * G * HEAD_DIM; i += NUM_THREADS) {
+    const int d = i % HEAD_DIM, g = i / HEAD_DIM % G, w = i / (G * HEAD_DIM) % NUM_WARPS, q = i / (NUM_WARPS * G * HEAD_DIM);
+    const long long at = ((row0 + g) * max_parts + part0 + q) * NUM_WARPS + w;
+    tmp_out[at * HEAD_DIM + d] = v3_o_s[q][w][g][d];
+    if (d == 0) max_logits[at] = v3_m_s[q][w][g], exp_sums[at] = v3_l_s[q][w][g];
+  }
+}
+#endif
+
 #if MERGE_IN_KERNEL
 // MERGE_IN_KERNEL=1: the last CTA of a (sequence, head group) to finish merges its partitions, so no
 // second launch (and no ramp-up and tail of one) follows. Each partition CTA writes its partials as
@@ -1132,7 +1164,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
     each_band([&](const float (&f)[4], int d, bool has_d1) { store_o(v3_o_s[q][warp], f, d, has_d1, h0, h1); });
   };
 
-#if SPAN_FOLD && SPAN_SLOTS > 1
+#if SPAN_FOLD && SPAN_SLOTS > 1 && !RAW_SPAN
   // SPAN_FOLD: the warp's state of a later partition of the superpartition folded into its saved state, in
   // partition order (fold_weights, fold); no barrier (a lane re-reads only the p.V it wrote, and the max /
   // exp-sum the warp's lanes of grp 0 wrote, after a __syncwarp). paged_attention_fold_reduce folds the partials
@@ -1220,7 +1252,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
     // memory, and the next partition starts afresh, with no barrier. Before the next V is loaded: this V's
     // registers are free then, and the next K is already on the way.
     if (next >= num_slabs || slab % SLABS_PER_PART >= SLABS_PER_PART - NUM_WARPS) {
-#if SPAN_FOLD
+#if SPAN_FOLD && RAW_SPAN
+      save_partition(slab / SLABS_PER_PART);  // a RAW_SPAN build runs spans of 2 only (build.span_build): no fold
+#elif SPAN_FOLD
       if (slab < SLABS_PER_PART) save_partition(0); else fold_partition();
 #else
       save_partition(slab / SLABS_PER_PART);
@@ -1248,13 +1282,29 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_CTAS_PER_SM) paged
 #if SPAN_SLOTS == 1
   save_partition(0);  // one partition: after the loop, as before spans (fewer registers); a warp with no slab saves its zeros
 #elif SPAN_FOLD
-  if (warp >= num_slabs) {  // a warp with no slab saves an empty state (as constants: o is not kept past the loop)
-    for (int i = lane; i < G * HEAD_DIM; i += PR_WARP) v3_o_s[0][warp][i / HEAD_DIM][i % HEAD_DIM] = 0.f;
-    if (lane < G) v3_m_s[0][warp][lane] = neg_inf(), v3_l_s[0][warp][lane] = 0.f;
+  // A warp with no slab saves an empty state (as constants: o is not kept past the loop): in slot 0, or with raw
+  // spans in the slot of the CTA's last partition when it had no slab there (a short one), as one partition a CTA
+  // saves it (p.V +0, max -inf, exp-sum 0: the fold reduce never folds it).
+#if RAW_SPAN
+  // A superpartition's partitions split over CTAs of 2 (a RAW_SPAN build runs no other span): each saved its
+  // partitions' warp states, a slot each, for the fold reduce; a context of one partition is written whole, as ever.
+  const bool raw = num_parts > 1;
+  const int last_q = (num_slabs - 1) / SLABS_PER_PART;
+#else
+  constexpr int last_q = 0;
+#endif
+  if (warp >= num_slabs - last_q * SLABS_PER_PART) {
+    for (int i = lane; i < G * HEAD_DIM; i += PR_WARP) v3_o_s[last_q][warp][i / HEAD_DIM][i % HEAD_DIM] = 0.f;
+    if (lane < G) v3_m_s[last_q][warp][lane] = neg_inf(), v3_l_s[last_q][warp][lane] = 0.f;
   }
 #endif
   __syncthreads();
 
+#if SPAN_FOLD && RAW_SPAN
+  if (raw)
+    write_raw_states(tmp_out, max_logits, exp_sums, (long long)s * num_heads + head0, max_parts, part0, last_q + 1);
+  else
+#endif
 #if SPAN_FOLD
   write_folded(out, tmp_out, max_logits, exp_sums, (long long)s * num_heads + head0, num_parts, max_parts, part0);
 #else

@@ -124,8 +124,10 @@ def test_the_folded_tree_takes_a_cta_per_superpartition_where_the_grid_stays_lar
     # The default tree folds partitions into superpartitions of MAX_SPAN (4): a CTA computes a whole one (its warps
     # fold in the slab loop: no partials, no slots) where one partition a CTA would be a grid of FOLD_WAVES waves
     # (FOLD_WAVES_WHOLE where one superpartition holds every context: no reduce after it), otherwise one partition a
-    # CTA and the reduce kernel folds (more CTAs for a few long sequences). The same bits either way.
-    rule = lambda seqs, parts, **kw: build.span_schedule(build.MmaTuning(**kw), 128, 4, 16, 8 * seqs, parts, 132)  # noqa: E731
+    # CTA and the reduce kernel folds (more CTAs for a few long sequences). The same bits either way. (Raw spans,
+    # the next test, take a band of these grids.)
+    rule = lambda seqs, parts, **kw: build.span_schedule(  # noqa: E731
+        build.MmaTuning(raw_span=False, **kw), 128, 4, 16, 8 * seqs, parts, 132)
     assert build.MmaTuning().fold and build.MAX_SPAN == 4
     assert rule(64, 4) == rule(64, 3) == rule(8, 32) == rule(32, 8) == 4  # 512 / 512 / 512 / 512 CTAs
     assert rule(1, 128) == rule(16, 8) == 4  # 1024 one-partition CTAs: 1.94 waves of 528
@@ -149,6 +151,33 @@ def test_the_folded_tree_takes_a_cta_per_superpartition_where_the_grid_stays_lar
             for t in (one, build.MmaTuning())} <= set(build.ci_configs())
     with pytest.raises(ValueError, match="fold=False"):
         build.mma_decode_config("bfloat16", 128, 16, 4, build.MmaTuning(merge_in_kernel=True))
+
+
+def test_raw_spans_take_the_grids_whose_second_wave_would_be_at_most_half_full():
+    # The default (raw_span=True): where one partition a CTA would run more than one wave and at most RAW_WAVES (1.5;
+    # 528 CTAs a wave at head_dim 128), a CTA computes 2 partitions and writes each one's warp states for the fold
+    # reduce, as one partition a CTA writes them: one wave of CTAs twice as long, the bits of one partition a CTA.
+    # Within one wave, and past 1.5 (where a second wave is no tail), the rule of the test above.
+    rule = lambda seqs, parts, **kw: build.span_schedule(build.MmaTuning(**kw), 128, 4, 16, 8 * seqs, parts, 132)  # noqa: E731
+    assert build.MmaTuning().raw_span and build.RAW_SPAN == 2 and build.RAW_WAVES == 1.5
+    assert rule(9, 8) == rule(18, 4) == rule(36, 2) == 2  # 576 CTAs: 1.09 waves (whole contexts of 4 and 2 too)
+    assert rule(5, 16) == rule(20, 4) == rule(12, 8) == rule(3, 32) == rule(24, 4) == 2  # 640 to 768 CTAs
+    assert rule(8, 8) == rule(4, 16) == 1  # 512 CTAs: one wave already
+    assert rule(13, 8) == rule(7, 16) == 1 and rule(26, 4) == 4  # 832-896 CTAs: 1.58-1.70 waves, the rule above
+    assert rule(8, 32) == rule(16, 8) == rule(64, 4) == 4 and rule(256, 1) == 1  # the tie shapes and 1 partition
+    assert rule(1, 4, span=2) == 2 and rule(256, 1, span=2) == 1  # forced, where a context has partitions to split
+    assert rule(9, 8, raw_span=False) == 1 and rule(9, 8, raw_span=False, span=2) == 1  # without raw spans
+    assert build.span_schedule(build.MmaTuning(), 64, 4, 16, 72, 8, 132) == 1  # FOLD_SPILLS: no span build
+    # The builds: spans of 2 run the raw-span build (RAW_SPAN, a state slot for each of its 2 partitions), other
+    # spans the span build (its loop folds) or the build without spans.
+    raw = build.MmaTuning()
+    assert build.span_build(raw, 2) == raw and not build.span_build(raw, 4).raw_span
+    assert not build.span_build(raw, 1).raw_span and build.span_build(raw, 1).max_span == 1
+    defines = lambda t: dict(build.mma_decode_config("bfloat16", 128, 16, 4, t).defines)  # noqa: E731
+    assert defines(raw)["RAW_SPAN"] == 1 and defines(raw)["SPAN_FOLD"] == 1 and defines(raw)["SPAN_SLOTS"] == 4
+    assert "RAW_SPAN" not in defines(build.span_build(raw, 4)) and "RAW_SPAN" not in defines(build.MmaTuning(fold=False))
+    assert {build.mma_decode_config(d, h, b, 4, build.span_build(raw, span)) for d in ("float16", "bfloat16")
+            for h in splitk.MMA_HEAD_DIMS for b in build.SUPPORTED_BLOCK_SIZES for span in (1, 2, 4)} <= set(build.ci_configs())
 
 
 def test_the_unfolded_tree_takes_spans_that_hold_whole_contexts():
@@ -283,11 +312,13 @@ def ptxas_report(config: build.KernelConfig, entry: str, tmp_path) -> str:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("span", [1, 2, 4])
 @pytest.mark.parametrize("head_dim", splitk.MMA_HEAD_DIMS)
-def test_tensor_core_decode_fits_its_occupancy_without_spilling(head_dim, tmp_path):
+def test_tensor_core_decode_fits_its_occupancy_without_spilling(head_dim, span, tmp_path):
     # MMA_MIN_CTAS_PER_SM caps v3's registers (4 CTAs per SM at head_dim 128: 128 registers); ptxas
-    # must not spill to local memory to meet it.
-    report = ptxas_report(build.mma_decode_config("bfloat16", head_dim, 16, 4), "paged_attention_v3", tmp_path)
+    # must not spill to local memory to meet it, in each of its builds (span_build: spans of 1, 2 and 4).
+    config = build.mma_decode_config("bfloat16", head_dim, 16, 4, build.span_build(build.MmaTuning(), span))
+    report = ptxas_report(config, "paged_attention_v3", tmp_path)
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
 
 

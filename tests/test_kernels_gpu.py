@@ -250,7 +250,8 @@ def test_merge_schedules_are_bitwise_the_reduce_kernel(schedule, partition_size,
 def test_the_folded_tree_gives_the_same_bits_from_a_cta_per_superpartition_or_per_partition(
         partition_size, head_dim, num_heads, num_kv_heads, block_size, dtype):
     # The default tree: each warp's states folded over a superpartition's 4 partitions, in the CTA that computes
-    # the whole superpartition (span 4) or by the reduce kernel from one partition a CTA (span 1), with the same
+    # the whole superpartition (span 4) or by the reduce kernel from one partition a CTA (span 1) or from two a CTA
+    # (span 2, raw spans: each partition's warp states written as a CTA of one writes them), with the same
     # operations in the same order: the same bits, launched after v3 or as its programmatic dependent, under any
     # block placement and batch. Contexts: one partition (written directly), a superpartition of 1-4 partitions,
     # one token past a superpartition (its warps 1-3 fold nothing), partial and many superpartitions.
@@ -261,14 +262,28 @@ def test_the_folded_tree_gives_the_same_bits_from_a_cta_per_superpartition_or_pe
     folded = lambda span, pdl=True: build.MmaTuning(partition_size=P, span=span, pdl=pdl)  # noqa: E731
     ref = decode(p, tuning=folded(1, pdl=False), out=torch.full_like(p.q, float("nan")))
     check(ref, p, dtype)
-    for t in (folded(4), folded(4, pdl=False), folded(1), folded(None)):
+    for t in (folded(4), folded(4, pdl=False), folded(1), folded(None), folded(2), folded(2, pdl=False)):
         assert T.same_bits(decode(p, tuning=t, out=torch.full_like(p.q, float("nan"))), ref)
-    for t in (folded(1), folded(4)):
+    for t in (folded(1), folded(4), folded(2)):
         assert T.same_bits(decode(T.permute_blocks(p, seed=P), tuning=t), ref)
         for seqs in ([9], [3, 0, 9], [5, 2, 1], [2, 5], [6, 1, 8]):
             assert T.same_bits(decode(T.select(p, seqs), tuning=t), ref[torch.tensor(seqs, device="cuda")])
     # The unfolded tree is another order of the same sums: other bits, within the same tolerance.
     check(decode(p, tuning=build.MmaTuning(partition_size=P, fold=False)), p, dtype)
+
+
+def test_the_default_runs_raw_spans_just_past_one_wave_with_the_bits_of_one_partition_a_cta():
+    # A grid of one-partition CTAs between 1 and build.RAW_WAVES waves of this GPU's slots: the default launch runs
+    # 2 partitions a CTA (span_schedule), whatever the contexts' lengths (odd partition counts, a short one).
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    seqs = num_sms * build.mma_ctas_per_sm(build.MmaTuning(), 128) * 11 // 10 // (8 * 8) + 1  # ~1.1-1.2 waves
+    lens = [8 * 1024 - 3 - (i * 1500) % 7000 if i % 3 else 8 * 1024 - 3 for i in range(seqs)]
+    p = T.make_problem(lens, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, seed=seqs)
+    assert build.span_schedule(build.MmaTuning(), 128, 4, 16, 8 * seqs, 8, num_sms) == build.RAW_SPAN
+    ref = decode(p, tuning=build.MmaTuning(span=1))
+    check(ref, p, torch.bfloat16)
+    assert T.same_bits(decode(p, out=torch.full_like(p.q, float("nan"))), ref)
+    assert T.same_bits(decode(T.permute_blocks(p, seed=3)), ref)
 
 
 def test_the_fold_reduce_merges_superpartitions_over_several_rounds():

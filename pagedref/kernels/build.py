@@ -87,6 +87,9 @@ class MmaTuning:
     # in order, then merged over the warps (cuda/paged_attention.cu, write_folded). Other bits than fold=False, where
     # each partition is merged over its warps first; both are fixed by the sequence alone.
     fold: bool = True
+    # The folded tree may run RAW_SPAN partitions a CTA (span_schedule's RAW_WAVES band, or span=2), each one's warp
+    # states written for the fold reduce as a CTA of one partition writes them (the RAW_SPAN build): same bits.
+    raw_span: bool = True
 
 
 def decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta: int,
@@ -110,13 +113,16 @@ def mma_decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta:
     if tuning.fold and tuning.merge_in_kernel:
         raise ValueError("the in-kernel merge merges partitions: it takes MmaTuning(fold=False)")
     min_ctas = mma_ctas_per_sm(tuning, head_dim)
+    slots = span_slots(head_dim, heads_per_cta, block_size, tuning)
+    raw = tuning.raw_span and tuning.fold and slots == MAX_SPAN  # where span_schedule may take raw spans
     return KernelConfig("paged_attention.cu", (
         ("PR_DTYPE", DTYPE_CODES[dtype]), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),
         ("HEADS_PER_CTA", heads_per_cta), ("PARTITION_SIZE", tuning.partition_size), ("MIN_CTAS_PER_SM", min_ctas),
         ("KV_LOAD_HINT", int(tuning.load_hint)), ("KV_PREFETCH", int(tuning.prefetch)), ("DECODE_MMA", 1),
-        ("SPAN_SLOTS", span_slots(head_dim, heads_per_cta, block_size, tuning)),
+        ("SPAN_SLOTS", slots),
         *((("KV_EVICT_FIRST", 1),) if tuning.evict_first else ()), *((("SPAN_FOLD", 1),) if tuning.fold else ()),
-        *((("MERGE_IN_KERNEL", 1),) if tuning.merge_in_kernel else ()), *((("PDL", 1),) if tuning.pdl else ())))
+        *((("MERGE_IN_KERNEL", 1),) if tuning.merge_in_kernel else ()), *((("PDL", 1),) if tuning.pdl else ()),
+        *((("RAW_SPAN", 1),) if raw else ())))
 
 
 def mma_ctas_per_sm(tuning: MmaTuning, head_dim: int) -> int:
@@ -132,6 +138,11 @@ SPAN_FILL = 0.9  # a span is taken only while the grid keeps at least this share
 # fold reduce after it), FOLD_WAVES where a reduce follows either way. Measured at head_dim 128 (span_schedule).
 FOLD_WAVES = 1.9
 FOLD_WAVES_WHOLE = 1.2
+# Raw spans (MmaTuning.raw_span): where one partition a CTA would run more than one wave and at most RAW_WAVES (its
+# second wave at most half full), a CTA computes RAW_SPAN partitions in turn, writing each one's warp states for the
+# fold reduce: half the CTAs, in one wave, the same partials. Measured at head_dim 128 (span_schedule).
+RAW_WAVES = 1.5
+RAW_SPAN = 2
 # Head dims where v3's folded superpartition build (its fold inside the slab loop) spills at its occupancy
 # (MMA_MIN_CTAS_PER_SM; nvcc's report, tests/test_kernels_cpu.py): they run one partition a CTA.
 FOLD_SPILLS = (64, 120)
@@ -182,13 +193,25 @@ def span_schedule(tuning: MmaTuning, head_dim: int, heads_per_cta: int, block_si
     CTAs), they are level at 576 ((18, 4096)) and the superpartitions win from 640 ((20, 4096) +0.5%, (24, 4096)
     +2%, (28, 4096) +7%); where a reduce follows either way, one partition a CTA wins up to 768 ((3, 32768),
     (12, 8192), (6, 16384) by 2-3%), they are level at 896 ((7, 16384)) and the superpartitions win at 1024
-    ((4, 32768) +3%). The same bits either way (tests/test_kernels_gpu.py)."""
+    ((4, 32768) +3%). The same bits either way (tests/test_kernels_gpu.py).
+
+    Raw spans (raw_span, the default): where one partition a CTA would run more than one wave and at most
+    RAW_WAVES, a CTA computes RAW_SPAN partitions and writes each one's warp states as a CTA of one partition does,
+    so the fold reduce folds the same states: the bits of span 1, in one wave of CTAs twice as long instead of a
+    full wave and a tail. Measured on an H200 against the rule without it (2026-12-05, docs/benchmarks.md; 528
+    CTAs a wave): +17% at 1.09 waves ((9, 8192), (18, 4096), (36, 2048)), +13% at 1.21, +5% at 1.33, +1-3% at
+    1.45 ((12, 8192), (24, 4096)); -6% at 0.97 (one wave already), -6 to -10% at 1.58, -5% at 1.70, -3% at 1.82."""
     slots = span_slots(head_dim, heads_per_cta, block_size, tuning)
     per_sm = mma_ctas_per_sm(tuning, head_dim)
     if tuning.fold:  # a CTA per superpartition, or per partition (the reduce kernel folds): the same bits
+        raw = tuning.raw_span and slots == MAX_SPAN and max_parts > 1  # the RAW_SPAN build exists and has 2 to take
         if tuning.span is not None:
+            if tuning.span == RAW_SPAN:
+                return RAW_SPAN if raw else 1
             return MAX_SPAN if tuning.span >= MAX_SPAN and slots == MAX_SPAN else 1
         waves = num_groups * max_parts / (num_sms * per_sm)
+        if raw and 1 < waves <= RAW_WAVES:  # a second wave at most half full: one wave of CTAs twice as long
+            return RAW_SPAN
         whole = max_parts <= MAX_SPAN  # one superpartition holds every context: no reduce after it
         fills = waves >= (FOLD_WAVES_WHOLE if whole else FOLD_WAVES)
         return MAX_SPAN if max_parts > 1 and slots == MAX_SPAN and fills else 1
@@ -205,8 +228,12 @@ def span_build(tuning: MmaTuning, span: int) -> MmaTuning:
     a CTA runs the build without span slots (SPAN_SLOTS=1): its slab loop has no partition ends to test and its
     state is saved after the loop, and it has no slots' shared memory taking L1's room (32 KB at head_dim 128:
     `python -m pagedref.bench gather`). It streamed 1-4% faster than the span build at the same grids (H200,
-    2026-12-04, docs/benchmarks.md). A build, never a bit: every span is held to its bits (tests/test_kernels_gpu.py)."""
-    return dataclasses.replace(tuning, max_span=1) if span == 1 else tuning
+    2026-12-04, docs/benchmarks.md). Spans of RAW_SPAN run the raw-span build (its loop saves each partition's
+    states, folds none), any other span the span build. A build, never a bit: every span is held to its bits
+    (tests/test_kernels_gpu.py)."""
+    if span == 1:
+        tuning = dataclasses.replace(tuning, max_span=1)
+    return tuning if span == RAW_SPAN or not tuning.fold else dataclasses.replace(tuning, raw_span=False)
 
 
 SMALL_GRID_HEAD_DIMS = (128,)  # where small_grid_schedule applies (measured there)
@@ -260,6 +287,10 @@ CANDIDATES: dict[str, DecodeTuning | MmaTuning] = {
     # a CTA per partition (the reduce kernel folds), and a CTA per superpartition (4 partitions folded in it)
     "v3 mma span1": MmaTuning(span=1),
     "v3 mma span4": MmaTuning(span=4),
+    # 2 partitions a CTA, each one's warp states written for the fold reduce (the default's in RAW_WAVES' band): forced;
+    # and the default without it (its rule before 2026-12-05)
+    "v3 mma rawspan2": MmaTuning(span=2),
+    "v3 mma no rawspan": MmaTuning(raw_span=False),
     # the tree before 2026-12-04: each partition merged over its warps, spans of 1, 2 or 4 partitions a CTA in
     # shared-memory slots (other bits)
     "v3 mma unfolded": MmaTuning(fold=False),
@@ -429,8 +460,10 @@ def ci_configs() -> list[KernelConfig]:
     configs = [CACHE_OPS]
     for dtype, head_dim, block_size in grid:
         configs += [decode_config(dtype, head_dim, block_size, 4), prefill_config(dtype, head_dim, block_size)]
-    configs += [mma_decode_config(dtype, head_dim, block_size, 4) for dtype in ("float16", "bfloat16")
-                for head_dim in MMA_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES]
+    # v3's builds (span_build): the span build, the raw-span build (the default tuning's own) and one partition a CTA
+    configs += [mma_decode_config(dtype, head_dim, block_size, 4, span_build(MmaTuning(), span))
+                for dtype in ("float16", "bfloat16") for head_dim in MMA_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES
+                for span in (MAX_SPAN, RAW_SPAN)]
     configs += [prefill_config(dtype, head_dim, block_size, version=2) for dtype in ("float16", "bfloat16")
                 for head_dim in MMA_HEAD_DIMS for block_size in SUPPORTED_BLOCK_SIZES]
     # v3: the plain grid and the launcher's two schedules (launch.prefill_v3_schedule), every shape.
@@ -449,7 +482,8 @@ def ci_configs() -> list[KernelConfig]:
                 for t in (DecodeTuning(), MmaTuning(), one, small)]
     configs += [decode_config(dtype, 128, 16, 4, t) for dtype in ("float16", "bfloat16") for t in CANDIDATES.values()]
     configs += [decode_config(dtype, 128, 16, 4, small_grid_schedule(span_build(t, span), 128, num_ctas=1, num_sms=1))
-                for dtype in ("float16", "bfloat16") for t in CANDIDATES.values() if t.version == 3 for span in (1, 4)]
+                for dtype in ("float16", "bfloat16") for t in CANDIDATES.values() if t.version == 3
+                for span in (1, RAW_SPAN, MAX_SPAN)]
     configs += [decode_config(dtype, 128, 16, 4, span_build(t, 1)) for dtype in ("float16", "bfloat16")
                 for t in CANDIDATES.values() if t.version == 3]
     configs += [prefill_config("bfloat16", head_dim, 16, 3, schedule=s) for head_dim in PREFILL_V3_HEAD_DIMS

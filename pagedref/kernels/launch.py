@@ -144,8 +144,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                 (_ptr(out), _ptr(q), *common, np.float32(scale)))
         return out
     f32 = dict(dtype=torch.float32, device=q.device)
-    # The folded tree with one partition a CTA: each CTA writes its warps' states, which the fold reduce folds.
-    fold_partials = version == 3 and tuning.fold and span == 1 and max_parts > 1
+    # The folded tree with one partition a CTA (or raw spans of 2): each CTA writes its warps' states of each of its
+    # partitions, which the fold reduce folds.
+    fold_partials = version == 3 and tuning.fold and span < build.MAX_SPAN and max_parts > 1
     # The partials: [rows, max_parts] (x head_dim for tmp_out); with fold_partials [rows, max_parts, warps].
     rows = shape.num_seqs * shape.num_heads * (_WARPS_PER_CTA if fold_partials else 1)
     tmp_out = torch.empty(rows * max_parts * shape.head_dim, **f32)

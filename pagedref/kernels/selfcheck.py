@@ -71,6 +71,7 @@ def check_attention(head_dims: set[int] | None = None, only: str | list[str] | N
     # partials and the reduce past it (full spans and a partial last one).
     for name, t in (("folded span 4", MmaTuning(partition_size=512, span=4)),
                     ("folded span 1", MmaTuning(partition_size=512, span=1)),
+                    ("folded span 2 (raw)", MmaTuning(partition_size=512, span=2)),
                     ("folded span 4 no pdl", MmaTuning(partition_size=512, span=4, pdl=False)),
                     ("span 2", MmaTuning(partition_size=512, span=2, fold=False)),
                     ("span 4", MmaTuning(partition_size=512, span=4, fold=False)),

@@ -124,7 +124,8 @@ def test_step31_a_block_id_outside_the_pool_is_refused():
         decode(p)
 
 
-# Step 32: step 12 on the GPU: v3's folded tree from a CTA per superpartition or a CTA per partition, the same bits.
+# Step 32: step 12 on the GPU: v3's folded tree from a CTA per superpartition, a CTA per partition or a CTA per two
+# partitions (their warps' states written as two CTAs of one would write them), the same bits.
 def test_step32_the_folded_tree_gives_the_same_bits_whichever_ctas_compute_the_partitions():
     build = lesson("pagedref.kernels.build")
     P = 512  # contexts: one partition, a short superpartition, a whole one, one token past it, several and a tail
@@ -136,3 +137,7 @@ def test_step32_the_folded_tree_gives_the_same_bits_whichever_ctas_compute_the_p
     assert T.same_bits(per_partition, per_superpartition), (
         "stage 5: one partition a CTA (the fold reduce folding its warps' states) and a CTA per superpartition "
         "(folding in its slab loop) must give the same bits: the same folds in the same order")
+    two_a_cta = decode(p, out=poisoned(p), tuning=build.MmaTuning(partition_size=P, span=2))
+    assert T.same_bits(per_partition, two_a_cta), (
+        "stage 5: a CTA of two partitions (raw spans) must write each partition's warp states exactly as a CTA of "
+        "one partition writes them, so the fold reduce folds the same states: the same bits")
