@@ -114,7 +114,7 @@ def mma_decode_config(dtype: str, head_dim: int, block_size: int, heads_per_cta:
         raise ValueError("the in-kernel merge merges partitions: it takes MmaTuning(fold=False)")
     min_ctas = mma_ctas_per_sm(tuning, head_dim)
     slots = span_slots(head_dim, heads_per_cta, block_size, tuning)
-    raw = tuning.raw_span and tuning.fold and slots == MAX_SPAN  # where span_schedule may take raw spans
+    raw = has_raw_spans(tuning, slots)
     return KernelConfig("paged_attention.cu", (
         ("PR_DTYPE", DTYPE_CODES[dtype]), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),
         ("HEADS_PER_CTA", heads_per_cta), ("PARTITION_SIZE", tuning.partition_size), ("MIN_CTAS_PER_SM", min_ctas),
@@ -143,6 +143,12 @@ FOLD_WAVES_WHOLE = 1.2
 # fold reduce: half the CTAs, in one wave, the same partials. Measured at head_dim 128 (span_schedule).
 RAW_WAVES = 1.5
 RAW_SPAN = 2
+
+
+def has_raw_spans(tuning: MmaTuning, slots: int) -> bool:
+    """Whether spans of RAW_SPAN exist for this v3 build: raw_span, the folded tree, and its span build (`slots`,
+    span_slots, is MAX_SPAN: not where the loop's fold would spill). The one rule of the config and the schedule."""
+    return tuning.raw_span and tuning.fold and slots == MAX_SPAN
 # Head dims where v3's folded superpartition build (its fold inside the slab loop) spills at its occupancy
 # (MMA_MIN_CTAS_PER_SM; nvcc's report, tests/test_kernels_cpu.py): they run one partition a CTA.
 FOLD_SPILLS = (64, 120)
@@ -204,7 +210,7 @@ def span_schedule(tuning: MmaTuning, head_dim: int, heads_per_cta: int, block_si
     slots = span_slots(head_dim, heads_per_cta, block_size, tuning)
     per_sm = mma_ctas_per_sm(tuning, head_dim)
     if tuning.fold:  # a CTA per superpartition, or per partition (the reduce kernel folds): the same bits
-        raw = tuning.raw_span and slots == MAX_SPAN and max_parts > 1  # the RAW_SPAN build exists and has 2 to take
+        raw = has_raw_spans(tuning, slots) and max_parts > 1  # and a context has partitions to split
         if tuning.span is not None:
             if tuning.span == RAW_SPAN:
                 return RAW_SPAN if raw else 1
