@@ -149,6 +149,8 @@ def has_raw_spans(tuning: MmaTuning, slots: int) -> bool:
     """Whether spans of RAW_SPAN exist for this v3 build: raw_span, the folded tree, and its span build (`slots`,
     span_slots, is MAX_SPAN: not where the loop's fold would spill). The one rule of the config and the schedule."""
     return tuning.raw_span and tuning.fold and slots == MAX_SPAN
+
+
 # Head dims where v3's folded superpartition build (its fold inside the slab loop) spills at its occupancy
 # (MMA_MIN_CTAS_PER_SM; nvcc's report, tests/test_kernels_cpu.py): they run one partition a CTA.
 FOLD_SPILLS = (64, 120)
