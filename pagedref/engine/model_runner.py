@@ -186,6 +186,58 @@ class ModelRunnerOutput:
                 for row, seq in zip(self._rows, self._seqs)]
 
 
+def token_rows(scheduled: list[ScheduledSequence], starts: np.ndarray, query_lens: np.ndarray,
+               qsl: np.ndarray) -> tuple[list[int], list[int], np.ndarray]:
+    """The step's rows, every scheduled sequence's new tokens in turn -> (input ids, slots, positions [T]).
+    Row r of sequence i is at position starts[i] + r - qsl[i]."""
+    if int(qsl[-1]) == len(scheduled):  # one token each (decodes: most steps): no ranges to join
+        return [s.token_ids[0] for s in scheduled], [s.slot_mapping[0] for s in scheduled], starts
+    ids = list(itertools.chain.from_iterable([s.token_ids for s in scheduled]))
+    slots = list(itertools.chain.from_iterable([s.slot_mapping for s in scheduled]))
+    positions = np.arange(int(qsl[-1]), dtype=np.int64) + np.repeat(starts - qsl[:-1], query_lens)
+    return ids, slots, positions
+
+
+def padded_block_tables(scheduled: list[ScheduledSequence]) -> np.ndarray:
+    """[S, max_blocks] int32, each sequence's block ids, rows padded with -1: in one boolean-mask assignment."""
+    tables = [s.block_ids for s in scheduled]
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    block_tables = np.full((len(tables), int(lens.max())), -1, dtype=np.int32)
+    block_tables[np.arange(block_tables.shape[1]) < lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+    return block_tables
+
+
+def sampling_rows(scheduled: list[ScheduledSequence], qsl: np.ndarray) -> tuple[list[int], list[int], list[Sequence]]:
+    """The rows that sample: the last row of each sequence whose known tokens are now all computed -> (those rows,
+    each sampled sequence's index among them, the sampled sequences). n samples of one prompt share its row."""
+    samplers = [s.sample_seqs for s in scheduled]
+    sampling = [i for i, seqs in enumerate(samplers) if seqs]
+    sample_rows = (qsl[1:][sampling] - 1).tolist()
+    sample_seqs = list(itertools.chain.from_iterable(samplers))
+    logit_rows = list(range(len(sampling))) if len(sample_seqs) == len(sampling) else [
+        j for j, i in enumerate(sampling) for _ in samplers[i]]
+    return sample_rows, logit_rows, sample_seqs
+
+
+def chunk_rows(scheduled: list[ScheduledSequence], qsl: np.ndarray) -> tuple[list[int], list, list[int], list]:
+    """The rows a decode does not have, from prefill chunks and speculative entries -> (prompt_logprobs rows and
+    their (sequence, first predicted position, count) spans, the verified rows and their entries)."""
+    prompt_rows, prompt_spans, spec_rows, spec_entries = [], [], [], []
+    for i in [i for i, s in enumerate(scheduled) if s.num_new_tokens > 1 or not s.sample_seqs]:  # not decodes
+        s = scheduled[i]
+        n, start, first = s.num_new_tokens, s.num_computed_tokens, int(qsl[i])
+        last = s.seq.num_prompt_tokens - 1  # the last prompt row predicts a generated token, not a prompt one
+        if s.seq.params.prompt_logprobs is not None and start < last:  # rows start.. predict tokens start + 1..
+            count = min(n, last - start)
+            prompt_rows.extend(range(first, first + count))
+            prompt_spans.append((s.seq, start + 1, count))
+        if s.num_draft_tokens:  # speculative decoding: every one of its k + 1 rows is scored
+            spec_rows.extend(range(first, first + n))
+            spec_entries.append(s)
+    return prompt_rows, prompt_spans, spec_rows, spec_entries
+
+
 class ModelRunner:
     """One rank's KV pools and steps. Under tensor parallelism (tp_size > 1) the pools hold this rank's
     KV heads only, and `DriverRunner` sends each step to the other ranks (`pagedref.distributed.worker`)."""
@@ -263,60 +315,23 @@ class ModelRunner:
         the work. The rows only a prefill chunk or a speculative entry has (prompt logprobs, verified
         drafts) are looked for among those entries alone."""
         scheduled = sched.scheduled
-        num_seqs = len(scheduled)
         query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)  # [S]
         starts = np.array([s.num_computed_tokens for s in scheduled], dtype=np.int64)  # [S] each one's first position
-        qsl = np.zeros(num_seqs + 1, dtype=np.int64)  # [S + 1] where each sequence's rows start
+        qsl = np.zeros(len(scheduled) + 1, dtype=np.int64)  # [S + 1] where each sequence's rows start
         np.cumsum(query_lens, out=qsl[1:])
-        num_rows = int(qsl[-1])
-        if num_rows == num_seqs:  # one token each (decodes: most steps): no ranges to join
-            ids = [s.token_ids[0] for s in scheduled]
-            slots = [s.slot_mapping[0] for s in scheduled]
-            positions = starts
-        else:  # row r of sequence i is at position starts[i] + r - qsl[i]
-            ids = list(itertools.chain.from_iterable([s.token_ids for s in scheduled]))
-            slots = list(itertools.chain.from_iterable([s.slot_mapping for s in scheduled]))
-            positions = np.arange(num_rows, dtype=np.int64) + np.repeat(starts - qsl[:-1], query_lens)
+        ids, slots, positions = token_rows(scheduled, starts, query_lens, qsl)
         context_lens = starts + query_lens  # [S]
-        # [S, max_blocks] int32, rows padded with -1: every table's ids in one boolean-mask assignment
-        tables = [s.block_ids for s in scheduled]
-        lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
-        block_tables = np.full((num_seqs, int(lens.max())), -1, dtype=np.int32)
-        block_tables[np.arange(block_tables.shape[1]) < lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
-        # the last row of each sequence whose known tokens are now all computed samples (for it, or its n)
-        samplers = [s.sample_seqs for s in scheduled]
-        sampling = [i for i, seqs in enumerate(samplers) if seqs]
-        sample_rows = (qsl[1:][sampling] - 1).tolist()
-        sample_seqs = list(itertools.chain.from_iterable(samplers))
-        logit_rows = list(range(len(sampling))) if len(sample_seqs) == len(sampling) else [
-            j for j, i in enumerate(sampling) for _ in samplers[i]]  # n samples share their row
+        sample_rows, logit_rows, sample_seqs = sampling_rows(scheduled, qsl)
         prompt_rows, prompt_spans, spec_rows, spec_entries = [], [], [], []
-        others = [] if num_rows == len(sampling) else [  # (none in a step of decodes only)
-            i for i, s in enumerate(scheduled) if s.num_new_tokens > 1 or not s.sample_seqs]
-        for i in others:  # prefill chunks and speculative entries: rows a decode does not have
-            s = scheduled[i]
-            n, start, first = s.num_new_tokens, s.num_computed_tokens, int(qsl[i])
-            last = s.seq.num_prompt_tokens - 1  # the last prompt row predicts a generated token, not a prompt one
-            if s.seq.params.prompt_logprobs is not None and start < last:  # rows start.. predict tokens start + 1..
-                count = min(n, last - start)
-                prompt_rows.extend(range(first, first + count))
-                prompt_spans.append((s.seq, start + 1, count))
-            if s.num_draft_tokens:  # speculative decoding: every one of its k + 1 rows is scored
-                spec_rows.extend(range(first, first + n))
-                spec_entries.append(s)
-        in_flight_rows = in_flight_src = None
-        if prev is not None:  # async scheduling: decodes whose input the step in flight is sampling, read on the device
-            src = np.array([s.prev_sample_index for s in scheduled], dtype=np.int64)
-            waiting = np.flatnonzero(src >= 0)
-            if waiting.size:
-                in_flight_rows, in_flight_src = qsl[waiting].tolist(), src[waiting].tolist()
+        if len(ids) > len(sample_rows):  # (never in a step of decodes only)
+            prompt_rows, prompt_spans, spec_rows, spec_entries = chunk_rows(scheduled, qsl)
         host = StepInput(
             input_ids=torch.from_numpy(np.array(ids, dtype=np.int64)), positions=torch.from_numpy(positions),
             meta=AttentionMetadata(
                 slot_mapping=torch.from_numpy(np.array(slots, dtype=np.int64)),
                 query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
-                context_lens=torch.from_numpy(context_lens.astype(np.int32)), block_tables=torch.from_numpy(block_tables),
+                context_lens=torch.from_numpy(context_lens.astype(np.int32)),
+                block_tables=torch.from_numpy(padded_block_tables(scheduled)),
                 max_query_len=int(query_lens.max()), max_context_len=int(context_lens.max()), block_size=self.block_size),
             sample_rows=sample_rows, logit_rows=logit_rows, sample_seqs=sample_seqs, prompt_rows=prompt_rows,
             prompt_spans=prompt_spans, spec_rows=spec_rows, spec_entries=spec_entries)
@@ -325,10 +340,19 @@ class ModelRunner:
         else:
             step = replace(host, input_ids=self._upload(host.input_ids), positions=self._upload(host.positions),
                            meta=self._upload_meta(host.meta), host_meta=host.meta)
-        if in_flight_rows:
-            tokens = prev.token_tensor.index_select(0, self._upload(in_flight_src))
-            step.input_ids.index_copy_(0, self._upload(in_flight_rows), tokens)
+        if prev is not None:
+            self._read_in_flight(step, scheduled, qsl, prev)
         return step
+
+    def _read_in_flight(self, step: StepInput, scheduled: list[ScheduledSequence], qsl: np.ndarray,
+                        prev: ModelRunnerOutput) -> None:
+        """Async scheduling: a decode whose input token the step in flight is sampling reads it on the device,
+        from `prev`'s sampled tokens into its row of step.input_ids (the host list held a placeholder)."""
+        src = np.array([s.prev_sample_index for s in scheduled], dtype=np.int64)  # [S] -1: the token is known
+        waiting = np.flatnonzero(src >= 0)
+        if waiting.size:
+            tokens = prev.token_tensor.index_select(0, self._upload(src[waiting].tolist()))
+            step.input_ids.index_copy_(0, self._upload(qsl[waiting].tolist()), tokens)
 
     def _upload(self, x) -> torch.Tensor:
         """A host list or tensor on the device. On CUDA through pinned memory, without a sync (a plain
