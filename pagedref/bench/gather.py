@@ -20,7 +20,9 @@ schedule could still give the step.
 What it showed on an H200 (2026-12-04, docs/benchmarks.md): the pool's 256-byte rows in random blocks read at
 ~4.4-4.5 TB/s in v3's pattern, ~1% more in whole rows, ~1% more again with the blocks in order; and shared memory
 costs the stream: 4 CTAs an SM of 36 KB each read 6% slower than of 20 KB (L1 and shared memory share the SM's
-256 KB, and L1 holds the lines of the loads in flight).
+256 KB, and L1 holds the lines of the loads in flight). Since 2026-12-05 each read asks for the carve-out decode
+gets (`kv_read.carveout`): left to the driver, this kernel of few registers got shared memory for more CTAs than
+decode runs, and read ~2% slower at 12 KB a CTA than it does with decode's L1.
 """
 
 from __future__ import annotations

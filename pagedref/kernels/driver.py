@@ -24,6 +24,7 @@ import functools
 import numpy as np
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
+_PREFERRED_SHARED_MEMORY_CARVEOUT = 14  # (CUDA 12.8+ drivers; takes precedence over the function's attribute)
 
 
 class _Attribute(ctypes.Structure):  # CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte value union
@@ -92,16 +93,21 @@ def _value(arg):
 
 
 def launch(kernel, grid: tuple[int, ...], block: int, args, stream: int, *, shared_mem: int = 0,
-           pdl: bool = False) -> None:
+           pdl: bool = False, carveout: int | None = None) -> None:
     """Launch `kernel` (a cupy RawKernel) on `stream` (a CUstream handle), in the current device's context.
     pdl: this launch may begin before the previous kernel on the stream ends (the kernel must
-    griddepcontrol.wait before its dependent reads, in every CTA)."""
+    griddepcontrol.wait before its dependent reads, in every CTA). carveout: the percentage of the SM's
+    shared memory capacity this launch prefers as shared memory (the rest is L1); a hint, per launch."""
     values = [_value(a) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
     attrs = []
     if pdl:
         attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
         attr.value[0] = 1
+        attrs.append(attr)
+    if carveout is not None:
+        attr = _Attribute(id=_PREFERRED_SHARED_MEMORY_CARVEOUT)
+        attr.value[0] = carveout
         attrs.append(attr)
     array = (_Attribute * max(len(attrs), 1))(*attrs)
     grid3 = (*grid, 1, 1)[:3]
@@ -110,4 +116,4 @@ def launch(kernel, grid: tuple[int, ...], block: int, args, stream: int, *, shar
     rc = lib().cuLaunchKernelEx(ctypes.byref(config), kernel.kernel.ptr, params, None)
     if rc != 0:
         raise RuntimeError(f"cuLaunchKernelEx({getattr(kernel, 'name', 'kernel')}) failed with CUresult {rc} (grid {grid3}, block {block}, "
-                           f"pdl {pdl})")
+                           f"pdl {pdl}, carveout {carveout})")

@@ -21,6 +21,17 @@ from pagedref.kernels.splitk import MMA_PARTITION_SIZE
 
 PARTITION_SIZE = MMA_PARTITION_SIZE  # tokens a CTA reads: v3's partition (build.kv_read_config passes it)
 MAX_SHARED_KB = 56  # 4 CTAs of 128 threads an SM share 228 KB
+SM_SHARED_KB = 228  # an sm_90 SM's most shared memory (of its 256 KB of L1 and shared memory together)
+CTAS_PER_SM = 4  # v3's occupancy (128 registers a thread)
+
+
+def carveout(shared_kb: int) -> int:
+    """The percentage of an SM's shared-memory capacity that 4 CTAs of `shared_kb` KB need (each also takes the
+    1 KB the driver reserves): the read's carve-out, as the decode kernel gets it. Left to the driver, this
+    kernel of few registers would be given shared memory for the ~16 CTAs an SM its registers allow, and so a
+    smaller L1 than decode's: at 12 KB a CTA it read ~2% slower than with this preference
+    (docs/results/carveout-2026-12-05.json)."""
+    return -(-100 * CTAS_PER_SM * (shared_kb + 1) // SM_SHARED_KB)
 
 
 def kv_read(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor,
@@ -55,4 +66,4 @@ def kv_read(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Te
     validate.require_cuda(k_cache, "k_cache")
     args = (launch._ptr(k_cache), launch._ptr(v_cache), launch._ptr(block_tables), np.int32(blocks), launch._ptr(out))
     launch._launch(build.kv_read_config(pattern, partition_size), "kv_read", k_cache.device,
-                   (num_kv_heads, parts, num_seqs), args, shared_mem=shared_kb << 10)
+                   (num_kv_heads, parts, num_seqs), args, shared_mem=shared_kb << 10, carveout=carveout(shared_kb))

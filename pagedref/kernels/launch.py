@@ -57,18 +57,19 @@ def _external_stream(ptr: int, device: int):
 
 
 def _launch(config: build.KernelConfig, name: str, device: torch.device, grid: tuple, args: tuple,
-            shared_mem: int = 0, threads: int = NUM_THREADS, pdl: bool = False) -> None:
+            shared_mem: int = 0, threads: int = NUM_THREADS, pdl: bool = False, carveout: int | None = None) -> None:
     """Launch `name` of `config` on torch's current stream of `device`: through CuPy, or through the driver
-    (kernels.driver) for what CuPy does not pass: a programmatic dependent launch (pdl), or an argument that is
-    a ctypes value rather than a numpy scalar (the GEMM's 128-byte TMA descriptors)."""
+    (kernels.driver) for what CuPy does not pass: a programmatic dependent launch (pdl), a shared-memory
+    carve-out preference of this launch's own (carveout, a percentage), or an argument that is a ctypes value
+    rather than a numpy scalar (the GEMM's 128-byte TMA descriptors)."""
     import cupy
 
     kernel = build.function(config, name)
     opt_in_shared_memory(kernel, shared_mem)
     torch_stream = torch.cuda.current_stream(device).cuda_stream
-    if pdl or not all(isinstance(a, np.generic) for a in args):
+    if pdl or carveout is not None or not all(isinstance(a, np.generic) for a in args):
         with cupy.cuda.Device(device.index):
-            driver.launch(kernel, grid, threads, args, torch_stream, shared_mem=shared_mem, pdl=pdl)
+            driver.launch(kernel, grid, threads, args, torch_stream, shared_mem=shared_mem, pdl=pdl, carveout=carveout)
         return
     stream = _external_stream(torch_stream, device.index)
     with cupy.cuda.Device(device.index), stream:
