@@ -38,7 +38,7 @@ import torch
 
 from pagedref.bench import telemetry
 from pagedref.bench.kernel import NUM_KV_HEADS, DecodeCase, copy_bandwidth, num_sets, prepare, time_rounds
-from pagedref.kernels.kv_read import MAX_SHARED_KB, PARTITION_SIZE, kv_read
+from pagedref.kernels.kv_read import CTAS_PER_SM, MAX_SHARED_KB, PARTITION_SIZE, SM_SHARED_KB, kv_read
 
 
 def read_fn(case: DecodeCase, pattern: str, shared_kb: int, block_tables: torch.Tensor, out: torch.Tensor,
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                          "superpartition, the default decode's grid for a few long sequences)")
     ap.add_argument("--patterns", nargs="+", choices=list(KV_READ_PATTERNS), default=list(KV_READ_PATTERNS))
     ap.add_argument("--shared-kb", nargs="+", type=int, default=[0, 12, 20, 36, 54], metavar="KB",
-                    help="shared memory reserved per CTA (4 CTAs an SM; at most 56 KB)")
+                    help=f"shared memory reserved per CTA ({CTAS_PER_SM} CTAs an SM; at most {MAX_SHARED_KB} KB)")
     ap.add_argument("--launch-constant", nargs="+", type=int, metavar="CONTEXT",
                     help="instead: the constant a launch costs at these contexts (multiples of 16), decode beside the "
                          "read with a CTA per KV head and context, fitted over --batches")
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.energy is not None and (not args.launch_constant or args.energy <= 0):
         ap.error("--energy takes a positive number of seconds, with --launch-constant's contexts")
     if any(kb < 0 or kb > MAX_SHARED_KB for kb in args.shared_kb):
-        ap.error(f"--shared-kb takes 0 to {MAX_SHARED_KB} KB (4 CTAs of 128 threads an SM share 228 KB)")
+        ap.error(f"--shared-kb takes 0 to {MAX_SHARED_KB} KB ({CTAS_PER_SM} CTAs an SM share {SM_SHARED_KB} KB)")
     if not torch.cuda.is_available():
         print("the gather benchmark needs a CUDA GPU", file=sys.stderr)
         return 1

@@ -24,7 +24,7 @@ import functools
 import numpy as np
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
-_PREFERRED_SHARED_MEMORY_CARVEOUT = 14  # (CUDA 12.8+ drivers; takes precedence over the function's attribute)
+_PREFERRED_SHARED_MEMORY_CARVEOUT = 14  # (cuda.h of CUDA 13; takes precedence over the function's attribute)
 
 
 class _Attribute(ctypes.Structure):  # CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte value union

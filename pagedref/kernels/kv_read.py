@@ -17,12 +17,13 @@ import numpy as np
 import torch
 
 from pagedref.kernels import build, launch, validate
-from pagedref.kernels.splitk import MMA_PARTITION_SIZE
+from pagedref.kernels.splitk import MMA_MIN_CTAS_PER_SM, MMA_PARTITION_SIZE
 
 PARTITION_SIZE = MMA_PARTITION_SIZE  # tokens a CTA reads: v3's partition (build.kv_read_config passes it)
-MAX_SHARED_KB = 56  # 4 CTAs of 128 threads an SM share 228 KB
 SM_SHARED_KB = 228  # an sm_90 SM's most shared memory (of its 256 KB of L1 and shared memory together)
-CTAS_PER_SM = 4  # v3's occupancy (128 registers a thread)
+DRIVER_RESERVED_KB = 1  # shared memory the driver reserves for each CTA
+CTAS_PER_SM = MMA_MIN_CTAS_PER_SM[128]  # v3's occupancy at head_dim 128 (kv_read.cu's __launch_bounds__ too)
+MAX_SHARED_KB = SM_SHARED_KB // CTAS_PER_SM - DRIVER_RESERVED_KB  # 56: what 4 CTAs an SM can each reserve
 
 
 def carveout(shared_kb: int) -> int:
@@ -31,7 +32,7 @@ def carveout(shared_kb: int) -> int:
     kernel of few registers would be given shared memory for the ~16 CTAs an SM its registers allow, and so a
     smaller L1 than decode's: at 12 KB a CTA it read ~2% slower than with this preference
     (docs/results/carveout-2026-12-05.json)."""
-    return -(-100 * CTAS_PER_SM * (shared_kb + 1) // SM_SHARED_KB)
+    return -(-100 * CTAS_PER_SM * (shared_kb + DRIVER_RESERVED_KB) // SM_SHARED_KB)
 
 
 def kv_read(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor,
