@@ -147,6 +147,44 @@ def test_the_report_gives_the_steps_clock_and_power_where_they_were_sampled(caps
 
 
 
+def test_every_wall_timed_step_is_kept_in_order(tiny_dir):
+    r = profile.measure(tiny_dir, "paged", 4, 20, "cpu", NUM_KV_BLOCKS, steps=3, warmup=1, kernels=False)
+    assert len(r.step_ms["wall"]) == 3 and "gpu_span" not in r.step_ms, "the CPU has no GPU span to record"
+    assert r.wall_ms == pytest.approx(sorted(r.step_ms["wall"])[1]), "wall_ms is the median of the steps' walls"
+
+
+def test_with_async_scheduling_the_calls_that_fill_the_pipeline_are_not_periods(tiny_dir):
+    # call 1 waits for no step, call 2 for one that began during call 1: neither is the loop's period
+    assert profile.periods([1.0, 2.0, 5.0, 6.0, 7.0], True) == [5.0, 6.0, 7.0]
+    assert profile.periods([1.0, 2.0, 5.0], False) == [1.0, 2.0, 5.0], "synchronous: every call runs a whole step"
+    assert profile.periods([1.0, 2.0], True) == [1.0, 2.0], "a window of 2 steps has nothing else to give"
+    r = profile.measure(tiny_dir, "paged", 4, 20, "cpu", NUM_KV_BLOCKS, steps=5, warmup=1, kernels=False,
+                        async_scheduling=True)
+    assert r.wall_ms == pytest.approx(sorted(r.step_ms["wall"][2:])[1]), "the median of calls 3 to 5"
+
+
+def test_the_report_gives_the_gpu_span_of_each_step_in_order(capsys):
+    spans = [7.5, 7.6, 8.9, 9.0]
+    r = profile.ProfileResult("paged", 256, 214.0, 8.3, {p: 0.0 for p in PHASES}, None, 1, 1.0, 1.0,
+                              step_ms={"wall": [3.0, 7.5, 7.6, 8.9], "gpu_span": spans})
+    doc = {"environment": {"device": "cuda", "gpu": "NVIDIA H200", "torch": "2.11", "date": "today"}, "copy_bandwidth": None,
+           "shape": "llama-3.1-8b", "num_requests": 256, "prompt_len": 160, "num_kv_blocks": 4096,
+           "results": [__import__("dataclasses").asdict(r)]}
+    profile.print_report(doc)
+    out = capsys.readouterr().out
+    assert ("4 steps, wall median 7.55 / mean 6.75 ms over 4 periods, GPU span median 8.25 / mean 8.25 ms; "
+            "GPU span in order: 7.50 7.60 8.90 9.00") in out
+    doc["results"][0]["async_scheduling"] = True
+    profile.print_report(doc)
+    assert "wall median 8.25 / mean 8.25 ms over 2 periods" in capsys.readouterr().out, "async: calls 3 and 4 only"
+
+
+def test_a_long_window_is_printed_by_tenths():
+    assert profile.in_order([1.0] * 20) == [1.0] * 20
+    tenths = profile.in_order([float(i // 20) for i in range(200)])
+    assert tenths == [float(i) for i in range(10)], "200 steps: the means of ten parts of 20, in order"
+
+
 def test_async_on_and_off_side_by_side(tiny_dir, tmp_path, capsys):
     out = tmp_path / "profile.json"
     assert profile.main(["--device", "cpu", "--num-requests", "4", "--prompt-len", "16", "--num-kv-blocks",
@@ -173,6 +211,8 @@ def test_on_a_gpu_the_kernels_are_timed_by_class(tiny_dir):
     r = profile.measure(tiny_dir, "paged", 8, 32, "cuda", NUM_KV_BLOCKS, steps=2, warmup=1)
     assert r.async_scheduling, "on CUDA the engine schedules asynchronously by default"
     assert r.gpu_span_ms > 0 and r.gpu_idle_ms is not None and r.gpu_span_ms + r.gpu_idle_ms > 0
+    assert len(r.step_ms["gpu_span"]) == len(r.step_ms["wall"]) == 2
+    assert r.gpu_span_ms == pytest.approx(sum(r.step_ms["gpu_span"]) / 2), "gpu_span_ms is the steps' mean span"
     assert set(r.kernels_ms) == set(profile.KERNEL_CLASSES)
     assert r.kernels_ms["gemm"] > 0 and r.kernels_ms["attention"] > 0, r.kernels_ms
     assert r.bandwidth("attention") > 0

@@ -7,7 +7,10 @@ Once every running sequence decodes, it measures one `LLMEngine.step()`:
 
 - wall: the step's wall-clock time, median over steps (with async scheduling, one `step()` call: it
   schedules and launches one step and updates with the one before, so in a steady batch that is
-  the period of the step loop);
+  the period of the step loop, and the window's first two calls are not: they fill the pipeline, the
+  first waiting for no step and the second for one that began during the first, so the median leaves
+  them out: `periods`); every step's wall and GPU span are kept in order (`step_ms`), since under a
+  power cap the steps of one window are not alike (the limiter lets the first few run at full clock);
 - GPU idle (CUDA only): over the wall-timed steps, the wall time minus the GPU's span of each step
   (CUDA events recorded when a step's first and last work are issued: `ModelRunner.step_events`), per
   step. It is the time the GPU waits for the host between steps, what async scheduling hides; time it
@@ -60,7 +63,7 @@ class ProfileResult:
     kv_cache: str  # "paged" or "contiguous"
     num_seqs: int  # sequences decoding in every measured step
     mean_context_len: float  # tokens per sequence, mean over the kernel-timed steps (CPU: the timed ones)
-    wall_ms: float  # per step, median
+    wall_ms: float  # per step, median over the window's periods (`periods`)
     phases_ms: dict[str, float]  # per step, mean
     kernels_ms: dict[str, float] | None  # per step, GPU time by KERNEL_CLASSES (None: no GPU)
     weight_bytes: int  # the weights a step reads (an untied embedding table is only gathered from)
@@ -74,6 +77,8 @@ class ProfileResult:
     telemetry: dict | None = None  # the wall-timed steps' SM clock, power, energy (bench.telemetry.Telemetry) and J a step
     wall_context_len: float | None = None  # tokens per sequence, mean over the wall-timed steps (2 x steps before
     # the kernel-timed ones: at 20 steps 40 tokens shorter than mean_context_len)
+    step_ms: dict[str, list[float]] | None = None  # the wall-timed steps in order: {"wall": [...], "gpu_span": [...]}
+    # (gpu_span only on CUDA). With async scheduling call i returns when step i - 1 ends: wall[i] is step i - 1's period
 
     def bandwidth(self, what: str) -> float | None:
         """Bytes per second the step's matmuls (what="gemm", the weights) or attention kernels
@@ -206,7 +211,7 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
             engine.step(final_only=True)
             return time.perf_counter() - t0
 
-        wall, span, idle, tele = _wall_and_idle(engine, timed_step, steps)
+        wall, span, idle, tele, step_ms = _wall_and_idle(engine, timed_step, steps)
         wall_context = statistics.mean(contexts)  # the wall window's own (contexts grow a token a step)
         phases = _phases(engine, timed_step, steps)
         kernel_ms = top = None
@@ -220,19 +225,31 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
         context = statistics.mean(contexts)
         return ProfileResult(kv_cache, num_seqs, context, 1e3 * wall, phases, kernel_ms, weight_bytes,
                              num_seqs * context * kv_per_token, 2.0 * num_seqs * num_params,
-                             engine.async_scheduling, span, idle, top, weight_gemm, tele, wall_context)
+                             engine.async_scheduling, span, idle, top, weight_gemm, tele, wall_context, step_ms)
     finally:
         llm.close()
         common.free_device(device)
 
 
+PIPELINE_FILL = 2  # async scheduling: calls at the start of a window that are shorter than a step's period
+
+
+def periods(walls: list[float], async_scheduling: bool) -> list[float]:
+    """The walls of a window's calls that are periods of the step loop: with async scheduling all but the first
+    PIPELINE_FILL (where the window has more), otherwise all (each call runs its own step from start to end)."""
+    return walls[PIPELINE_FILL:] if async_scheduling and len(walls) > PIPELINE_FILL else list(walls)
+
+
 def _wall_and_idle(engine, timed_step, steps: int):
-    """(median wall s per step, GPU span ms per step, GPU idle ms per step, the window's Telemetry); the GPU
-    numbers are None on the CPU. The window starts and ends with the device idle, so its wall time is the
-    steps' own; the GPU's clock and power are sampled over it (bench.telemetry)."""
+    """(median wall s per step over `periods`, GPU span ms per step, GPU idle ms per step, the window's Telemetry,
+    each step's {"wall": ms, "gpu_span": ms} in order); the GPU numbers are None on the CPU. The window starts and
+    ends with the device idle, so its wall time is the steps' own; the GPU's clock and power are sampled over it
+    (bench.telemetry)."""
     runner = engine.runner
     if runner.device.type != "cuda":
-        return statistics.median(timed_step() for _ in range(steps)), None, None, None
+        walls = [timed_step() for _ in range(steps)]
+        wall = statistics.median(periods(walls, engine.async_scheduling))
+        return wall, None, None, None, {"wall": [1e3 * w for w in walls]}
     torch.cuda.synchronize()
     runner.step_events = []
     with telemetry.GpuSampler(telemetry.device_uuid(runner.device)) as sampler:
@@ -244,11 +261,13 @@ def _wall_and_idle(engine, timed_step, steps: int):
             events = runner.step_events
         finally:
             runner.step_events = None
-    span_ms = sum(a.elapsed_time(b) for a, b in events)  # the steps launched in the window, all done now
+    spans = [a.elapsed_time(b) for a, b in events]  # the steps launched in the window, all done now
     tele = sampler.result and asdict(sampler.result)
     if tele and tele["energy_j"] is not None:
         tele["energy_per_step_j"] = tele["energy_j"] / len(events)
-    return statistics.median(walls), span_ms / len(events), (1e3 * window - span_ms) / len(events), tele
+    step_ms = {"wall": [1e3 * w for w in walls], "gpu_span": spans}
+    wall = statistics.median(periods(walls, engine.async_scheduling))
+    return wall, sum(spans) / len(events), (1e3 * window - sum(spans)) / len(events), tele, step_ms
 
 
 def _phases(engine, timed_step, steps: int) -> dict[str, float]:
@@ -270,6 +289,14 @@ def _phases(engine, timed_step, steps: int) -> dict[str, float]:
     return timer.per_step_ms(total, steps)
 
 
+def in_order(xs: list[float], most: int = 20) -> list[float]:
+    """Per-step values to print in order: all of them up to `most`, else the means of ten equal parts."""
+    if len(xs) <= most:
+        return list(xs)
+    cuts = [round(i * len(xs) / 10) for i in range(11)]
+    return [statistics.mean(xs[a:b]) for a, b in zip(cuts, cuts[1:])]
+
+
 def print_report(doc: dict[str, Any]) -> None:
     env = doc["environment"]
     bw = doc["copy_bandwidth"]
@@ -285,8 +312,19 @@ def print_report(doc: dict[str, Any]) -> None:
               f"{r['num_seqs']:>5}"
               f"{context:>8.0f}{r['wall_ms']:>9.2f}{ms(r.get('gpu_span_ms'))}{ms(r.get('gpu_idle_ms'))}"
               + "".join(f"{r['phases_ms'][p]:>10.2f}" for p in PHASES))
-    print("context: the wall-timed steps' mean; gpu ms: a step's span on the GPU (CUDA events); idle ms: wall time "
-          "per step with no step on the GPU; phases: measured with a sync after each forward")
+    print("context: the wall-timed steps' mean; wall ms: the median period (async: the window's first 2 calls fill the "
+          "pipeline and are left out); gpu ms: a step's span on the GPU (CUDA events); idle ms: wall time per step with "
+          "no step on the GPU; phases: measured with a sync after each forward")
+    for r in doc["results"]:
+        if r.get("step_ms") and r["step_ms"].get("gpu_span"):
+            wall, span = r["step_ms"]["wall"], r["step_ms"]["gpu_span"]
+            wall = periods(wall, r.get("async_scheduling"))
+            print(f"{r['kv_cache']}, weight_gemm {r.get('weight_gemm', 'torch')}: {len(span)} steps, wall median "
+                  f"{statistics.median(wall):.2f} / mean {statistics.mean(wall):.2f} ms over {len(wall)} periods, "
+                  f"GPU span median "
+                  f"{statistics.median(span):.2f} / mean {statistics.mean(span):.2f} ms; GPU span in order"
+                  f"{'' if len(span) <= 20 else ', by tenths of the window'}: "
+                  + " ".join(f"{x:.2f}" for x in in_order(span)))
     for r in doc["results"]:
         t = r.get("telemetry")
         if t:
