@@ -456,6 +456,19 @@ def test_bench_gemm_report_sums_a_step_over_the_models_projections_only(capsys):
     assert "qkv + o + gate_up_silu + down: 1.60 ms / 1.60 ms" in out and "pagedref qkv@256:96x1: 12.5 µs" in out
 
 
+def test_bench_gemm_l2_resident_times_one_buffer_set_and_says_so(capsys):
+    from pagedref.bench.gemm import buffer_sets, print_report, projection_shapes
+
+    assert buffer_sets(2 * 4096 * 4096, l2_resident=True) == 1, "one set: a weight that fits stays in L2"
+    shapes = projection_shapes("llama-3.1-8b")
+    res = {"model_shape": "llama-3.1-8b", "num_layers": 32, "shapes": shapes, "rows": [256], "modes": ["default"],
+           "us": {"default": {f"{name}@256": 10.0 for name in shapes}}}
+    print_report(res | {"l2_resident": True})
+    assert "one buffer set (weights that fit stay in L2)" in capsys.readouterr().out
+    print_report(res)
+    assert "one buffer set" not in capsys.readouterr().out, "the default cycles enough sets to stream from HBM"
+
+
 def test_bench_gemm_extra_shapes_parse_or_name_the_problem():
     import argparse
 

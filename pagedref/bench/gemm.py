@@ -21,6 +21,8 @@ only the kernel differs.
 
 --extra KxN adds shapes beside the model's: a library kernel's tiles fill whole waves of the SMs at some
 N and not at others, and the TFLOP/s at N that do is what a GEMM of the model's own N could reach.
+--l2-resident times one buffer set instead, so a weight that fits in L2 stays there from call to call:
+beside the default run, what reading the weights from HBM costs in time and (with --sustain) in joules.
 """
 
 from __future__ import annotations
@@ -88,15 +90,26 @@ def set_mode(mode: str) -> None:
         tunable.set_filename(os.path.join(tempfile.mkdtemp(prefix="pagedref-tunableop-"), "results.csv"))
 
 
+def buffer_sets(bytes_per_set: int, l2_resident: bool) -> int:
+    """Buffer sets a shape is timed over: enough that the weights do not stay in L2 (bench.kernel.num_sets), or
+    with l2_resident one, so that a weight that fits in L2 is read from there after the first call."""
+    if l2_resident:
+        return 1
+    from pagedref.bench.kernel import num_sets
+
+    return num_sets(bytes_per_set)
+
+
 def bench_mode(mode: str, shapes: dict[str, tuple[int, int]], rows: list[int], reps: int,
-               tiles: list | None = None, sustain_s: float = 0.0, sustained: dict | None = None) -> dict[str, float]:
+               tiles: list | None = None, sustain_s: float = 0.0, sustained: dict | None = None,
+               l2_resident: bool = False) -> dict[str, float]:
     """{"name@M": µs} of each shape in `mode` (pagedref: also "name@M:BNxS" for each of `tiles`). With sustain_s,
     each is also run round and round for that long and `sustained[key]` gets its µs, energy, power and clock
-    there (bench.telemetry.sustained: the power-capped figures a long run sees)."""
+    there (bench.telemetry.sustained: the power-capped figures a long run sees). l2_resident: `buffer_sets`."""
     import torch
 
     from pagedref.bench import telemetry
-    from pagedref.bench.kernel import measure, num_sets, prepare
+    from pagedref.bench.kernel import measure, prepare
 
     set_mode(mode)
     out = {}
@@ -110,7 +123,7 @@ def bench_mode(mode: str, shapes: dict[str, tuple[int, int]], rows: list[int], r
                      (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16),  # w
                      torch.empty(m, n, device="cuda", dtype=torch.bfloat16),  # y
                      torch.empty(m, n // 2, device="cuda", dtype=torch.bfloat16))  # silu(gate) * up
-                    for _ in range(num_sets(2 * (m * k + n * k + m * n)))]
+                    for _ in range(buffer_sets(2 * (m * k + n * k + m * n), l2_resident))]
             for label, call in calls(mode, silu, n, k, tiles):
                 replays, _ = prepare([lambda x=x, w=w, y=y, h=h: call(x, w, y, h) for x, w, y, h in sets])
                 out[f"{name}@{m}{label}"] = measure(replays, reps) * 1e3
@@ -144,7 +157,8 @@ def calls(mode: str, silu: bool, n: int, k: int, tiles: list | None):
 
 def print_report(res: dict) -> None:
     shapes, layers = res["shapes"], res["num_layers"]
-    print(f"{res['model_shape']} weight matmuls, bf16, graphed; µs (TFLOP/s); {'/'.join(res['modes'])}")
+    print(f"{res['model_shape']} weight matmuls, bf16, graphed; µs (TFLOP/s); {'/'.join(res['modes'])}"
+          + ("; one buffer set (weights that fit stay in L2)" if res.get("l2_resident") else ""))
     for m in res["rows"]:
         cells = []
         for name, (k, n) in shapes.items():
@@ -186,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="pagedref mode: also time these tilings of every shape they divide")
     ap.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
                     help="also run each GEMM round and round this long: its µs, energy and clock under the power cap")
+    ap.add_argument("--l2-resident", action="store_true",
+                    help="time one buffer set: weights that fit in L2 stay there (what HBM costs, beside a default run)")
     ap.add_argument("--json", help="also write the results as JSON to this path")
     args = ap.parse_args(argv)
     if min(args.rows) < 1 or args.reps < 1 or args.sustain < 0:
@@ -199,10 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     shapes |= {"gate_up_silu": shapes["gate_up"]} | {f"{k}x{n}": (k, n) for k, n in args.extra}
     res = {"command": "python -m pagedref.bench gemm " + " ".join(argv or []), **environment("cuda"),
            "model_shape": args.model_shape, "num_layers": SHAPES[args.model_shape]["num_hidden_layers"],
-           "shapes": shapes, "rows": args.rows, "modes": args.modes,
+           "shapes": shapes, "rows": args.rows, "modes": args.modes, "l2_resident": args.l2_resident,
+           "l2_bytes": torch.cuda.get_device_properties(0).L2_cache_size,
            "us": {}, "sustained": {mode: {} for mode in args.modes}}
     for mode in args.modes:
-        res["us"][mode] = bench_mode(mode, shapes, args.rows, args.reps, args.tiles, args.sustain, res["sustained"][mode])
+        res["us"][mode] = bench_mode(mode, shapes, args.rows, args.reps, args.tiles, args.sustain, res["sustained"][mode],
+                                     args.l2_resident)
     print_report(res)
     print_sustained(res)
     if args.json:
