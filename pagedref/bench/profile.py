@@ -211,7 +211,8 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
             engine.step(final_only=True)
             return time.perf_counter() - t0
 
-        wall, span, idle, tele, step_ms = _wall_and_idle(engine, timed_step, steps)
+        span, idle, tele, step_ms = _wall_and_idle(engine, timed_step, steps)
+        wall = statistics.median(periods(step_ms["wall"], engine.async_scheduling))
         wall_context = statistics.mean(contexts)  # the wall window's own (contexts grow a token a step)
         phases = _phases(engine, timed_step, steps)
         kernel_ms = top = None
@@ -223,7 +224,7 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
         elem = engine.runner.kv_caches[0][0].element_size()
         kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
         context = statistics.mean(contexts)
-        return ProfileResult(kv_cache, num_seqs, context, 1e3 * wall, phases, kernel_ms, weight_bytes,
+        return ProfileResult(kv_cache, num_seqs, context, wall, phases, kernel_ms, weight_bytes,
                              num_seqs * context * kv_per_token, 2.0 * num_seqs * num_params,
                              engine.async_scheduling, span, idle, top, weight_gemm, tele, wall_context, step_ms)
     finally:
@@ -241,15 +242,13 @@ def periods(walls: list[float], async_scheduling: bool) -> list[float]:
 
 
 def _wall_and_idle(engine, timed_step, steps: int):
-    """(median wall s per step over `periods`, GPU span ms per step, GPU idle ms per step, the window's Telemetry,
-    each step's {"wall": ms, "gpu_span": ms} in order); the GPU numbers are None on the CPU. The window starts and
-    ends with the device idle, so its wall time is the steps' own; the GPU's clock and power are sampled over it
+    """(GPU span ms per step, GPU idle ms per step, the window's Telemetry, each step's {"wall": ms, "gpu_span": ms}
+    in order); the GPU numbers are None on the CPU (and step_ms has no "gpu_span"). The window starts and ends with
+    the device idle, so its wall time is the steps' own; the GPU's clock and power are sampled over it
     (bench.telemetry)."""
     runner = engine.runner
     if runner.device.type != "cuda":
-        walls = [timed_step() for _ in range(steps)]
-        wall = statistics.median(periods(walls, engine.async_scheduling))
-        return wall, None, None, None, {"wall": [1e3 * w for w in walls]}
+        return None, None, None, {"wall": [1e3 * timed_step() for _ in range(steps)]}
     torch.cuda.synchronize()
     runner.step_events = []
     with telemetry.GpuSampler(telemetry.device_uuid(runner.device)) as sampler:
@@ -266,8 +265,7 @@ def _wall_and_idle(engine, timed_step, steps: int):
     if tele and tele["energy_j"] is not None:
         tele["energy_per_step_j"] = tele["energy_j"] / len(events)
     step_ms = {"wall": [1e3 * w for w in walls], "gpu_span": spans}
-    wall = statistics.median(periods(walls, engine.async_scheduling))
-    return wall, sum(spans) / len(events), (1e3 * window - sum(spans)) / len(events), tele, step_ms
+    return sum(spans) / len(events), (1e3 * window - sum(spans)) / len(events), tele, step_ms
 
 
 def _phases(engine, timed_step, steps: int) -> dict[str, float]:
@@ -312,16 +310,14 @@ def print_report(doc: dict[str, Any]) -> None:
               f"{r['num_seqs']:>5}"
               f"{context:>8.0f}{r['wall_ms']:>9.2f}{ms(r.get('gpu_span_ms'))}{ms(r.get('gpu_idle_ms'))}"
               + "".join(f"{r['phases_ms'][p]:>10.2f}" for p in PHASES))
-    print("context: the wall-timed steps' mean; wall ms: the median period (async: the window's first 2 calls fill the "
-          "pipeline and are left out); gpu ms: a step's span on the GPU (CUDA events); idle ms: wall time per step with "
+    print(f"context: the wall-timed steps' mean; wall ms: the median period (async: the window's first {PIPELINE_FILL} "
+          "calls fill the pipeline and are left out); gpu ms: a step's span on the GPU (CUDA events); idle ms: wall time per step with "
           "no step on the GPU; phases: measured with a sync after each forward")
     for r in doc["results"]:
         if r.get("step_ms") and r["step_ms"].get("gpu_span"):
-            wall, span = r["step_ms"]["wall"], r["step_ms"]["gpu_span"]
-            wall = periods(wall, r.get("async_scheduling"))
-            print(f"{r['kv_cache']}, weight_gemm {r.get('weight_gemm', 'torch')}: {len(span)} steps, wall median "
-                  f"{statistics.median(wall):.2f} / mean {statistics.mean(wall):.2f} ms over {len(wall)} periods, "
-                  f"GPU span median "
+            wall, span = periods(r["step_ms"]["wall"], r.get("async_scheduling")), r["step_ms"]["gpu_span"]
+            print(f"{r['kv_cache']}, weight_gemm {r.get('weight_gemm', 'torch')}: {len(span)} steps, wall mean "
+                  f"{statistics.mean(wall):.2f} ms over {len(wall)} periods (median: wall ms), GPU span median "
                   f"{statistics.median(span):.2f} / mean {statistics.mean(span):.2f} ms; GPU span in order"
                   f"{'' if len(span) <= 20 else ', by tenths of the window'}: "
                   + " ".join(f"{x:.2f}" for x in in_order(span)))
