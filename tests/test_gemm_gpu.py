@@ -197,6 +197,25 @@ def test_bad_shapes_are_refused_with_the_reason():
         GemmTile(100)
 
 
+def test_bench_gemm_weight_stream_runs_both_ways_on_the_gpu(tmp_path):
+    import json
+
+    from pagedref.bench import gemm as bench_gemm
+
+    out = tmp_path / "stream.json"
+    assert bench_gemm.main(["--model-shape", "llama-3.2-1b", "--rows", "64", "--modes", "default", "pagedref",
+                            "--reps", "3", "--extra", "2048x1024", "2048x2048", "--weight-stream", "1",
+                            "--sustain", "0.05", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rounds = res["weight_stream"]["rounds"]
+    for where in ("hbm", "l2"):
+        (figures,) = rounds[where]
+        assert set(figures) == {"default", "pagedref"} and all(f["us"] > 0 for f in figures["pagedref"].values())
+    assert rounds["hbm"][0] == res["sustained"], "the first round from HBM is the plain report's"
+    if rounds["hbm"][0]["default"]["o@64"]["mj"] is not None:  # NVML's energy counter is there
+        assert res["weight_stream"]["cost"]["pagedref"]["lines"]["64"]["shapes"] == ["2048x1024", "2048x2048"]
+
+
 def sanitize() -> None:
     """Every width once, a split and the fused epilogue, on small shapes (under compute-sanitizer)."""
     for bn in GEMM_WIDTHS:

@@ -469,6 +469,80 @@ def test_bench_gemm_l2_resident_times_one_buffer_set_and_says_so(capsys):
     assert "one buffer set" not in capsys.readouterr().out, "the default cycles enough sets to stream from HBM"
 
 
+def test_bench_gemm_weight_stream_gives_a_bytes_cost_and_the_line_over_the_extra_shapes(capsys):
+    from pagedref.bench.gemm import print_stream, stream_cost
+
+    shapes = {"qkv": (4096, 6144), "4096x2048": (4096, 2048), "4096x3072": (4096, 3072), "4096x4096": (4096, 4096)}
+    fit = ["4096x2048", "4096x3072", "4096x4096"]
+
+    def difference(name):  # mJ: 1 mJ a launch plus 40 pJ a byte for the fitted shapes; q/k/v off the line
+        k, n = shapes[name]
+        return 5.0 if name == "qkv" else 1.0 + 40e-9 * 2 * k * n
+
+    def rnd(where, noise):  # one round of bench_mode's sustained figures, both modes
+        return {mode: {f"{name}@256": {"mj": 10.0 + (difference(name) if where == "hbm" else 0.0) + noise}
+                       for name in shapes} | {"o@256": {"mj": None}} for mode in ("default", "pagedref")}
+
+    runs = {"hbm": [rnd("hbm", +0.3), rnd("hbm", -0.3)], "l2": [rnd("l2", -0.1), rnd("l2", +0.1)]}
+    cost = stream_cost(runs, shapes | {"o": (4096, 4096)}, fit)
+    for mode in ("default", "pagedref"):
+        rows = cost[mode]["shapes"]
+        assert "o@256" not in rows, "no energy counter, no figure: a key without joules is left out"
+        assert rows["4096x2048@256"]["hbm_mj"] == pytest.approx(10.0 + difference("4096x2048")), "the mean of the rounds"
+        assert rows["4096x2048@256"]["pj_per_byte"] == pytest.approx(1e9 * difference("4096x2048") / (2 * 4096 * 2048))
+        line = cost[mode]["lines"]["256"]
+        assert line["pj_per_byte"] == pytest.approx(40.0) and line["fixed_mj"] == pytest.approx(1.0), (
+            "the line over the fitted shapes alone: q/k/v, off it, must not pull it")
+    print_stream(cost, rounds=2)
+    out = capsys.readouterr().out
+    assert "default at 256 rows, over 4096x2048 4096x3072 4096x4096: 40 pJ a byte at the margin, 1.00 mJ a launch" in out
+    one_size = stream_cost(runs, shapes | {"o": (4096, 4096)}, ["4096x2048"])
+    assert one_size["default"]["lines"] == {}, "one size draws no line"
+
+
+def test_bench_gemm_weight_stream_refuses_l2_resident_and_negative_rounds(capsys):
+    from pagedref.bench import gemm as bench_gemm
+
+    with pytest.raises(SystemExit):
+        bench_gemm.main(["--weight-stream", "2", "--l2-resident"])
+    assert "leave out --l2-resident" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_gemm.main(["--weight-stream", "-1"])
+    assert "--weight-stream at least 0" in capsys.readouterr().err
+
+
+def test_bench_gemm_weight_stream_times_hbm_then_l2_in_every_round(monkeypatch, tmp_path, capsys):
+    import json
+    import types
+
+    from pagedref.bench import gemm as bench_gemm
+
+    # The GPU's part (bench_mode) stands in here; what is tested is main's order of runs and what it keeps.
+    order = []
+
+    def fake_bench_mode(mode, shapes, rows, reps, tiles, sustain_s, sustained, l2_resident):
+        order.append((mode, l2_resident, sustain_s))
+        for name, (k, n) in shapes.items():  # 40 pJ a byte more from HBM, nothing a launch
+            sustained[f"{name}@256"] = {"us": 10.0, "mj": 10.0 + (0.0 if l2_resident else 40e-9 * 2 * k * n)}
+        return {f"{name}@256": 10.0 for name in shapes}
+
+    monkeypatch.setattr(bench_gemm, "bench_mode", fake_bench_mode)
+    monkeypatch.setattr(bench_gemm, "environment", lambda device: {"gpu": "a stand-in"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(L2_cache_size=50 << 20))
+    out = tmp_path / "stream.json"
+    assert bench_gemm.main(["--rows", "256", "--modes", "default", "pagedref", "--extra", "4096x2048", "4096x3072",
+                            "--weight-stream", "2", "--json", str(out)]) == 0
+    round_ = [("default", False, 1.5), ("pagedref", False, 1.5), ("default", True, 1.5), ("pagedref", True, 1.5)]
+    assert order == round_ * 2, "each round: every mode from HBM, then every mode from L2, sustained 1.5 s by default"
+    res = json.loads(out.read_text())
+    assert len(res["weight_stream"]["rounds"]["hbm"]) == 2 and len(res["weight_stream"]["rounds"]["l2"]) == 2
+    assert res["us"]["pagedref"]["qkv@256"] == 10.0, "the first round from HBM is the plain report's"
+    line = res["weight_stream"]["cost"]["pagedref"]["lines"]["256"]
+    assert line["pj_per_byte"] == pytest.approx(40.0) and line["shapes"] == ["4096x2048", "4096x3072"]
+    assert "40 pJ a byte at the margin" in capsys.readouterr().out
+
+
 def test_bench_gemm_extra_shapes_parse_or_name_the_problem():
     import argparse
 

@@ -23,6 +23,12 @@ only the kernel differs.
 N and not at others, and the TFLOP/s at N that do is what a GEMM of the model's own N could reach.
 --l2-resident times one buffer set instead, so a weight that fits in L2 stays there from call to call:
 beside the default run, what reading the weights from HBM costs in time and (with --sustain) in joules.
+--weight-stream ROUNDS makes that comparison in one run: each round times every GEMM sustained with its
+weights from HBM, then from L2, and the report gives the difference in joules a byte of weight, and the line
+that difference makes over the --extra shapes (chosen to fit in L2): its slope is what one more byte
+streamed from HBM costs, its intercept the part paid once a launch.
+
+    python -m pagedref.bench gemm --rows 256 --modes default pagedref --extra 4096x2048 4096x2560 4096x3072 4096x3584 --weight-stream 2
 """
 
 from __future__ import annotations
@@ -155,6 +161,50 @@ def calls(mode: str, silu: bool, n: int, k: int, tiles: list | None):
     return [(label, lambda x, w, y, h, t=t: gemm.linear(x, w, out=y, tile=t)) for label, t in found]
 
 
+def stream_cost(runs: dict[str, list[dict]], shapes: dict[str, tuple[int, int]], fit: list[str]) -> dict:
+    """What reading its weights from HBM costs each GEMM, from --weight-stream's rounds: runs["hbm"] and runs["l2"]
+    each a list of rounds, a round {mode: {"name@M": {"mj": joules a call x 1e3, ...}}} (bench_mode's sustained).
+    -> {mode: {"shapes": {key: weight bytes, mean mJ from HBM and from L2 over the rounds, their difference, and
+    that over the weight's bytes in pJ}, "lines": {M: the least-squares line difference = fixed_mj + pj_per_byte x
+    bytes over the `fit` shapes at M}}}. Keys without an energy figure (no NVML counter) are left out."""
+    import numpy as np
+
+    out = {}
+    for mode in runs["hbm"][0]:
+        rows = {}
+        for key in runs["hbm"][0][mode]:
+            hbm = [r[mode][key]["mj"] for r in runs["hbm"]]
+            l2 = [r[mode][key]["mj"] for r in runs["l2"]]
+            if None in hbm + l2:
+                continue
+            k, n = shapes[key.split("@")[0]]
+            weight_bytes = 2 * k * n  # 16-bit
+            diff = float(np.mean(hbm) - np.mean(l2))
+            rows[key] = {"weight_bytes": weight_bytes, "hbm_mj": float(np.mean(hbm)), "l2_mj": float(np.mean(l2)),
+                         "diff_mj": diff, "pj_per_byte": diff * 1e9 / weight_bytes}
+        lines = {}
+        for m in sorted({key.split("@")[1] for key in rows}):
+            points = [rows[f"{name}@{m}"] for name in fit if f"{name}@{m}" in rows]
+            if len({p["weight_bytes"] for p in points}) >= 2:  # a line needs two sizes
+                slope, fixed = np.polyfit([p["weight_bytes"] for p in points], [p["diff_mj"] for p in points], 1)
+                lines[m] = {"fixed_mj": float(fixed), "pj_per_byte": float(slope) * 1e9, "shapes": fit}
+        out[mode] = {"shapes": rows, "lines": lines}
+    return out
+
+
+def print_stream(cost: dict, rounds: int) -> None:
+    """--weight-stream's report: each GEMM's mJ a call from HBM and from L2 (means over the rounds), the difference
+    in pJ a byte of weight, and the line over the fitted shapes (the margin: what one more byte costs)."""
+    print(f"the weights' stream: sustained mJ a call with the weights from HBM / from L2, mean of {rounds} rounds")
+    for mode, figures in cost.items():
+        for key, f in figures["shapes"].items():
+            print(f"  {mode} {key}: {f['weight_bytes'] / 1e6:.1f} MB, {f['hbm_mj']:.2f} / {f['l2_mj']:.2f} mJ, "
+                  f"difference {f['diff_mj']:.2f} mJ = {f['pj_per_byte']:.0f} pJ a byte")
+        for m, line in figures["lines"].items():
+            print(f"  {mode} at {m} rows, over {' '.join(line['shapes'])}: {line['pj_per_byte']:.0f} pJ a byte "
+                  f"at the margin, {line['fixed_mj']:.2f} mJ a launch")
+
+
 def print_report(res: dict) -> None:
     shapes, layers = res["shapes"], res["num_layers"]
     print(f"{res['model_shape']} weight matmuls, bf16, graphed; µs (TFLOP/s); {'/'.join(res['modes'])}"
@@ -202,10 +252,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run each GEMM round and round this long: its µs, energy and clock under the power cap")
     ap.add_argument("--l2-resident", action="store_true",
                     help="time one buffer set: weights that fit in L2 stay there (what HBM costs, beside a default run)")
+    ap.add_argument("--weight-stream", type=int, default=0, metavar="ROUNDS",
+                    help="time every GEMM sustained from HBM and from L2 in turn, ROUNDS times: what streaming a byte costs")
     ap.add_argument("--json", help="also write the results as JSON to this path")
     args = ap.parse_args(argv)
     if min(args.rows) < 1 or args.reps < 1 or args.sustain < 0:
         ap.error("--rows and --reps must be positive, --sustain at least 0")
+    if args.weight_stream < 0:
+        ap.error("--weight-stream at least 0 (rounds of HBM then L2)")
+    if args.weight_stream and args.l2_resident:
+        ap.error("--weight-stream times both ways itself: leave out --l2-resident")
     import torch
 
     if not torch.cuda.is_available():
@@ -218,11 +274,26 @@ def main(argv: list[str] | None = None) -> int:
            "shapes": shapes, "rows": args.rows, "modes": args.modes, "l2_resident": args.l2_resident,
            "l2_bytes": torch.cuda.get_device_properties(0).L2_cache_size,
            "us": {}, "sustained": {mode: {} for mode in args.modes}}
-    for mode in args.modes:
-        res["us"][mode] = bench_mode(mode, shapes, args.rows, args.reps, args.tiles, args.sustain, res["sustained"][mode],
-                                     args.l2_resident)
+    if args.weight_stream:
+        sustain = args.sustain or 1.5
+        runs = {"hbm": [], "l2": []}
+        for _ in range(args.weight_stream):
+            for where in runs:  # HBM, then L2, in every round: the clock's drift falls on both alike
+                figures = {mode: {} for mode in args.modes}
+                us = {mode: bench_mode(mode, shapes, args.rows, args.reps, args.tiles, sustain, figures[mode],
+                                       where == "l2") for mode in args.modes}
+                runs[where].append(figures)
+                if not res["us"]:  # the first round from HBM is also the plain run's report
+                    res["us"], res["sustained"] = us, figures
+        res["weight_stream"] = {"rounds": runs, "cost": stream_cost(runs, shapes, [f"{k}x{n}" for k, n in args.extra])}
+    else:
+        for mode in args.modes:
+            res["us"][mode] = bench_mode(mode, shapes, args.rows, args.reps, args.tiles, args.sustain,
+                                         res["sustained"][mode], args.l2_resident)
     print_report(res)
     print_sustained(res)
+    if args.weight_stream:
+        print_stream(res["weight_stream"]["cost"], args.weight_stream)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
