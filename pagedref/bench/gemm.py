@@ -28,7 +28,7 @@ weights from HBM, then from L2, and the report gives the difference in joules a 
 that difference makes over the --extra shapes (chosen to fit in L2): its slope is what one more byte
 streamed from HBM costs, its intercept the part paid once a launch.
 
-    python -m pagedref.bench gemm --rows 256 --modes default pagedref --extra 4096x2048 4096x2560 4096x3072 4096x3584 --weight-stream 2
+    python -m pagedref.bench gemm --rows 256 --modes default pagedref --extra 4096x2048 4096x2560 4096x3072 4096x3584 4096x4096 --weight-stream 2
 """
 
 from __future__ import annotations
