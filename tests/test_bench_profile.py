@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -134,7 +135,7 @@ def test_the_report_gives_the_steps_clock_and_power_where_they_were_sampled(caps
     r = profile.ProfileResult("paged", 256, 214.0, 9.1, {p: 0.0 for p in PHASES}, None, 1, 1.0, 1.0, telemetry=tele)
     doc = {"environment": {"device": "cuda", "gpu": "NVIDIA H200", "torch": "2.11", "date": "today"}, "copy_bandwidth": None,
            "shape": "llama-3.1-8b", "num_requests": 256, "prompt_len": 160, "num_kv_blocks": 4096,
-           "results": [__import__("dataclasses").asdict(r)]}
+           "results": [dataclasses.asdict(r)]}
     profile.print_report(doc)
     out = capsys.readouterr().out
     assert "SM clock 1512 MHz (min 1380), power 655 W (max 699), power-capped in 75% of 9 samples" in out
@@ -169,7 +170,7 @@ def test_the_report_gives_the_gpu_span_of_each_step_in_order(capsys):
                               step_ms={"wall": [3.0, 7.5, 7.6, 8.9], "gpu_span": spans})
     doc = {"environment": {"device": "cuda", "gpu": "NVIDIA H200", "torch": "2.11", "date": "today"}, "copy_bandwidth": None,
            "shape": "llama-3.1-8b", "num_requests": 256, "prompt_len": 160, "num_kv_blocks": 4096,
-           "results": [__import__("dataclasses").asdict(r)]}
+           "results": [dataclasses.asdict(r)]}
     profile.print_report(doc)
     out = capsys.readouterr().out
     assert ("4 steps, wall mean 6.75 ms over 4 periods (median: wall ms), GPU span median 8.25 / mean 8.25 ms; "

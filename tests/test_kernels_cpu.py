@@ -496,6 +496,8 @@ def test_bench_gemm_weight_stream_gives_a_bytes_cost_and_the_line_over_the_extra
     print_stream(cost, rounds=2)
     out = capsys.readouterr().out
     assert "default at 256 rows, over 4096x2048 4096x3072 4096x4096: 40 pJ a byte at the margin, 1.00 mJ a launch" in out
+    with_o = stream_cost(runs, shapes | {"o": (4096, 4096)}, fit + ["o"])
+    assert with_o["default"]["lines"]["256"]["shapes"] == fit, "the line names the shapes it was fitted over"
     one_size = stream_cost(runs, shapes | {"o": (4096, 4096)}, ["4096x2048"])
     assert one_size["default"]["lines"] == {}, "one size draws no line"
 

@@ -179,15 +179,16 @@ def stream_cost(runs: dict[str, list[dict]], shapes: dict[str, tuple[int, int]],
                 continue
             k, n = shapes[key.split("@")[0]]
             weight_bytes = 2 * k * n  # 16-bit
-            diff = float(np.mean(hbm) - np.mean(l2))
-            rows[key] = {"weight_bytes": weight_bytes, "hbm_mj": float(np.mean(hbm)), "l2_mj": float(np.mean(l2)),
-                         "diff_mj": diff, "pj_per_byte": diff * 1e9 / weight_bytes}
+            hbm_mj, l2_mj = float(np.mean(hbm)), float(np.mean(l2))
+            rows[key] = {"weight_bytes": weight_bytes, "hbm_mj": hbm_mj, "l2_mj": l2_mj, "diff_mj": hbm_mj - l2_mj,
+                         "pj_per_byte": (hbm_mj - l2_mj) * 1e9 / weight_bytes}
         lines = {}
         for m in sorted({key.split("@")[1] for key in rows}):
-            points = [rows[f"{name}@{m}"] for name in fit if f"{name}@{m}" in rows]
+            names = [name for name in fit if f"{name}@{m}" in rows]  # the fitted shapes that have figures
+            points = [rows[f"{name}@{m}"] for name in names]
             if len({p["weight_bytes"] for p in points}) >= 2:  # a line needs two sizes
                 slope, fixed = np.polyfit([p["weight_bytes"] for p in points], [p["diff_mj"] for p in points], 1)
-                lines[m] = {"fixed_mj": float(fixed), "pj_per_byte": float(slope) * 1e9, "shapes": fit}
+                lines[m] = {"fixed_mj": float(fixed), "pj_per_byte": float(slope) * 1e9, "shapes": names}
         out[mode] = {"shapes": rows, "lines": lines}
     return out
 
@@ -272,24 +273,27 @@ def main(argv: list[str] | None = None) -> int:
     res = {"command": "python -m pagedref.bench gemm " + " ".join(argv or []), **environment("cuda"),
            "model_shape": args.model_shape, "num_layers": SHAPES[args.model_shape]["num_hidden_layers"],
            "shapes": shapes, "rows": args.rows, "modes": args.modes, "l2_resident": args.l2_resident,
-           "l2_bytes": torch.cuda.get_device_properties(0).L2_cache_size,
-           "us": {}, "sustained": {mode: {} for mode in args.modes}}
+           "l2_bytes": torch.cuda.get_device_properties(0).L2_cache_size}
+
+    def every_mode(sustain_s: float, l2_resident: bool) -> tuple[dict, dict]:
+        """One pass over the modes: ({mode: {key: µs}}, {mode: {key: sustained figures}})."""
+        figures = {mode: {} for mode in args.modes}
+        us = {mode: bench_mode(mode, shapes, args.rows, args.reps, args.tiles, sustain_s, figures[mode], l2_resident)
+              for mode in args.modes}
+        return us, figures
+
     if args.weight_stream:
         sustain = args.sustain or 1.5
         runs = {"hbm": [], "l2": []}
-        for _ in range(args.weight_stream):
+        for i in range(args.weight_stream):
             for where in runs:  # HBM, then L2, in every round: the clock's drift falls on both alike
-                figures = {mode: {} for mode in args.modes}
-                us = {mode: bench_mode(mode, shapes, args.rows, args.reps, args.tiles, sustain, figures[mode],
-                                       where == "l2") for mode in args.modes}
+                us, figures = every_mode(sustain, where == "l2")
                 runs[where].append(figures)
-                if not res["us"]:  # the first round from HBM is also the plain run's report
+                if i == 0 and where == "hbm":  # the first round from HBM is also the plain run's report
                     res["us"], res["sustained"] = us, figures
         res["weight_stream"] = {"rounds": runs, "cost": stream_cost(runs, shapes, [f"{k}x{n}" for k, n in args.extra])}
     else:
-        for mode in args.modes:
-            res["us"][mode] = bench_mode(mode, shapes, args.rows, args.reps, args.tiles, args.sustain,
-                                         res["sustained"][mode], args.l2_resident)
+        res["us"], res["sustained"] = every_mode(args.sustain, args.l2_resident)
     print_report(res)
     print_sustained(res)
     if args.weight_stream:

@@ -264,8 +264,9 @@ def _wall_and_idle(engine, timed_step, steps: int):
     tele = sampler.result and asdict(sampler.result)
     if tele and tele["energy_j"] is not None:
         tele["energy_per_step_j"] = tele["energy_j"] / len(events)
+    span_ms = sum(spans)
     step_ms = {"wall": [1e3 * w for w in walls], "gpu_span": spans}
-    return sum(spans) / len(events), (1e3 * window - sum(spans)) / len(events), tele, step_ms
+    return span_ms / len(events), (1e3 * window - span_ms) / len(events), tele, step_ms
 
 
 def _phases(engine, timed_step, steps: int) -> dict[str, float]:
