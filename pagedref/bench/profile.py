@@ -211,7 +211,7 @@ def measure(model_dir: Path, kv_cache: str, num_requests: int, prompt_len: int, 
             engine.step(final_only=True)
             return time.perf_counter() - t0
 
-        span, idle, tele, step_ms = _wall_and_idle(engine, timed_step, steps)
+        span, idle, tele, step_ms = _timed_window(engine, timed_step, steps)
         wall = statistics.median(periods(step_ms["wall"], engine.async_scheduling))
         wall_context = statistics.mean(contexts)  # the wall window's own (contexts grow a token a step)
         phases = _phases(engine, timed_step, steps)
@@ -241,7 +241,7 @@ def periods(walls: list[float], async_scheduling: bool) -> list[float]:
     return walls[PIPELINE_FILL:] if async_scheduling and len(walls) > PIPELINE_FILL else list(walls)
 
 
-def _wall_and_idle(engine, timed_step, steps: int):
+def _timed_window(engine, timed_step, steps: int):
     """(GPU span ms per step, GPU idle ms per step, the window's Telemetry, each step's {"wall": ms, "gpu_span": ms}
     in order); the GPU numbers are None on the CPU (and step_ms has no "gpu_span"). The window starts and ends with
     the device idle, so its wall time is the steps' own; the GPU's clock and power are sampled over it
