@@ -19,6 +19,13 @@
 //   Launch: grid (num_tokens), block NT threads (a function of hidden_size only, <= 1024). The sum of
 //   squares is per thread in index order, then an xor butterfly per warp, then the warps' partials in
 //   warp order: one fixed order per row, so a row's result does not depend on its batch.
+// splitk_add_rms_norm_w<W>: fused_add_rms_norm whose x is a split-K GEMM's fp32 partials [splits, T,
+//   hidden], summed in split order and rounded once (gemm_hopper.cu's gemm_splitk_reduce): the down
+//   projection's reduce, the residual add and the next norm in one pass over a row, so down's bf16 output
+//   never goes to memory and the reduce is not a launch of its own. The same bits as the reduce then
+//   fused_add_rms_norm (the same sum, the same rounding, the same norm). It is launched under the GEMM's
+//   tail (a programmatic dependent launch) and waits for the GEMM's end before its first read
+//   (griddepcontrol.wait, sm_90; a no-op without a primary grid). Launch as fused_add_rms_norm's.
 // silu_and_mul_w<W>: out[t, i] = round(silu(gate[t, i]) * up[t, i]) in fp32 (one rounding). gate and
 //   up are row-strided, so they can be the two halves of one gate_up row or two tensors.
 //   Launch: grid (num_tokens, ceil(n / (W * blockDim.x))), any block size.
@@ -57,6 +64,14 @@ __device__ __forceinline__ void store(scalar_t *p, const Vec<W> &x) {
   *reinterpret_cast<Vec<W> *>(p) = x;
 }
 
+// A programmatic dependent launch's wait for the grid before it (its writes visible after it); a no-op when
+// the kernel was launched normally, and before sm_90, which has no such launch.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // --- RMSNorm, with or without the residual add -------------------------------------------------------
 
 // The sum of x over the CTA, the same bits in every thread: butterfly per warp, then the warps' partials
@@ -72,17 +87,49 @@ __device__ __forceinline__ float block_sum(float x) {
   return total;
 }
 
+// The row's W elements at element i of a split-K GEMM's fp32 partials: the splits summed in split order,
+// rounded once to scalar_t (exactly gemm_splitk_reduce's sum and rounding).
+template <int W>
+struct alignas(W * sizeof(float)) FVec {
+  float v[W];
+};
+
+template <int W>
+__device__ __forceinline__ Vec<W> sum_splits(const float *__restrict__ partial, long long i, int splits,
+                                             long long split_stride) {
+  FVec<W> acc = *reinterpret_cast<const FVec<W> *>(partial + i);
+  for (int z = 1; z < splits; ++z) {
+    const FVec<W> p = *reinterpret_cast<const FVec<W> *>(partial + z * split_stride + i);
+#pragma unroll
+    for (int j = 0; j < W; ++j) acc.v[j] += p.v[j];
+  }
+  Vec<W> r;
+#pragma unroll
+  for (int j = 0; j < W; ++j) r.v[j] = from_float(acc.v[j]);
+  return r;
+}
+
+// Where a norm's input row comes from: x alone (rms_norm), x + residual (fused_add_rms_norm), or a
+// split-K GEMM's partials + residual (splitk_add_rms_norm).
+enum NormInput { NORM_X, NORM_X_PLUS_RESIDUAL, NORM_SPLITS_PLUS_RESIDUAL };
+
 // x, residual, residual_out, out: rows of `hidden` elements, `stride` elements apart (the same stride for
-// all four). No __restrict__: out may alias x, residual_out residual.
-template <int W, bool ADD>
+// all four). No __restrict__: out may alias x, residual_out residual. With NORM_SPLITS_PLUS_RESIDUAL, x is
+// unused and row t's partials start at partial + t * hidden, split z's `split_stride` elements after split 0's.
+template <int W, NormInput IN>
 __device__ __forceinline__ void add_rms_norm(scalar_t *out, const scalar_t *x, const scalar_t *residual,
                                              scalar_t *residual_out, const scalar_t *__restrict__ weight,
-                                             long long stride, int hidden, float eps) {
+                                             long long stride, int hidden, float eps,
+                                             const float *__restrict__ partial = nullptr, int splits = 0,
+                                             long long split_stride = 0) {
+  constexpr bool ADD = IN != NORM_X;
   const long long row = (long long)blockIdx.x * stride;
   const int nvec = hidden / W;
   float ss = 0.f;
   for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-    Vec<W> a = load<W>(x + row + i * W);
+    Vec<W> a = IN == NORM_SPLITS_PLUS_RESIDUAL
+                   ? sum_splits<W>(partial, (long long)blockIdx.x * hidden + i * W, splits, split_stride)
+                   : load<W>(x + row + i * W);
     if (ADD) {
       const Vec<W> b = load<W>(residual + row + i * W);
 #pragma unroll
@@ -112,12 +159,20 @@ __device__ __forceinline__ void add_rms_norm(scalar_t *out, const scalar_t *x, c
   extern "C" __global__ void __launch_bounds__(1024) rms_norm_w##W(                                          \
       scalar_t *out, const scalar_t *x, const scalar_t *__restrict__ weight, long long stride, int hidden,     \
       float eps) {                                                                                             \
-    add_rms_norm<W, false>(out, x, nullptr, nullptr, weight, stride, hidden, eps);                             \
+    add_rms_norm<W, NORM_X>(out, x, nullptr, nullptr, weight, stride, hidden, eps);                            \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(1024) fused_add_rms_norm_w##W(                                \
       scalar_t *out, const scalar_t *x, const scalar_t *residual, scalar_t *residual_out,                      \
       const scalar_t *__restrict__ weight, long long stride, int hidden, float eps) {                          \
-    add_rms_norm<W, true>(out, x, residual, residual_out, weight, stride, hidden, eps);                        \
+    add_rms_norm<W, NORM_X_PLUS_RESIDUAL>(out, x, residual, residual_out, weight, stride, hidden, eps);        \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(1024) splitk_add_rms_norm_w##W(                               \
+      scalar_t *out, const float *__restrict__ partial, int splits, long long split_stride,                    \
+      const scalar_t *residual, scalar_t *residual_out, const scalar_t *__restrict__ weight, long long stride, \
+      int hidden, float eps) {                                                                                 \
+    grid_dependency_wait();                                                                                    \
+    add_rms_norm<W, NORM_SPLITS_PLUS_RESIDUAL>(out, nullptr, residual, residual_out, weight, stride, hidden,   \
+                                               eps, partial, splits, split_stride);                            \
   }
 
 // --- SiLU and multiply -------------------------------------------------------------------------------

@@ -40,7 +40,9 @@
 //     of the same column, and the epilogue writes out = silu(gate) * up [M, I] with exactly the arithmetic
 //     of fused_ops.cu's silu_and_mul on the rounded gate and up: the same bits as the GEMM then that kernel.
 //   * Split-K (gridDim.z > 1, the narrow shapes): split z sums its own k-steps and writes fp32 partials
-//     [splits, M, N]; gemm_splitk_reduce adds them in split order and rounds once. Serial split-K (the splits of
+//     [splits, M, N]; gemm_splitk_reduce adds them in split order and rounds once (or, for down in a decode
+//     step, fused_ops.cu's splitk_add_rms_norm does, as the first pass of the residual add and norm that
+//     follow, so down's output is never stored: pagedref.kernels.gemm.linear_add_rms_norm). Serial split-K (the splits of
 //     a tile taking turns on a flag, split 1 adding split 0's sums from L2, no reduce launch) gave the same bits
 //     and was slower: o 23.7 us against 21.8, down 50.5 against 49.8 (docs/benchmarks.md, 2026-12-02, evening):
 //     the last split finishes alone on half the SMs, where the reduce spreads over all. Summing two splits inside

@@ -98,7 +98,7 @@ def test_on_the_hopper_gemm_a_requests_logits_do_not_depend_on_its_batch(monkeyp
     from pagedref.models.llama import WEIGHT_GEMM_OPS
 
     calls = Counter()
-    for name in ("linear", "silu_mul_linear"):
+    for name in ("linear", "silu_mul_linear", "linear_add_rms_norm"):
         def counted(*args, _real=getattr(gemm, name), _name=name, **kwargs):
             calls[_name] += 1
             return _real(*args, **kwargs)
@@ -107,7 +107,8 @@ def test_on_the_hopper_gemm_a_requests_logits_do_not_depend_on_its_batch(monkeyp
               weight_gemm=WEIGHT_GEMM_OPS, record_logits=True)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     together = llm.generate(PROMPTS, params)
-    assert calls["silu_mul_linear"] > 0 and calls["linear"] > 0, f"the projections must run on kernels.gemm: {calls}"
+    assert all(calls[name] > 0 for name in ("linear", "silu_mul_linear", "linear_add_rms_norm")), \
+        f"the projections must run on kernels.gemm (down with the next norm in a decode step): {calls}"
     for prompt, batched in zip(PROMPTS, together):
         alone = llm.generate([prompt], params)[0].outputs[0]
         assert alone.token_ids == batched.outputs[0].token_ids

@@ -24,11 +24,11 @@ from helpers import greedy_generate, model_path, read_reference
 from pagedref.backends import get_backend
 from pagedref.backends.metadata import AttentionMetadata
 from pagedref.backends.reference import ReferenceBackend
-from pagedref.kernels import build, fused
+from pagedref.kernels import build, fused, gemm
 from pagedref.models import load_model
 from pagedref.models.llama import LlamaModel
 
-KERNELS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding_and_cache")
+KERNELS = ("rms_norm", "fused_add_rms_norm", "splitk_add_rms_norm", "silu_and_mul", "rotary_embedding_and_cache")
 
 
 # --- compiling ---------------------------------------------------------------------------------------
@@ -97,6 +97,23 @@ def test_norm_argument_errors():
         fused.rms_norm(x, w, 1e-5)
     with pytest.raises(ValueError, match="CUDA"):
         fused.fused_add_rms_norm(x, x.clone(), w, 1e-5)
+
+
+def test_splitk_add_rms_norm_argument_errors():
+    r, w = torch.randn(3, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
+    partial = torch.randn(2, 3, 64)
+    for bad in (partial[0], partial.half(), torch.randn(2, 4, 64), torch.randn(2, 3, 32), partial.transpose(1, 2),
+                torch.randn(0, 3, 64)):
+        with pytest.raises(ValueError, match=r"partial must be contiguous float32 \[splits, 3, 64\]"):
+            fused.splitk_add_rms_norm(bad, r, w, 1e-5)
+    with pytest.raises(ValueError, match="weight has 32"):
+        fused.splitk_add_rms_norm(partial, r, w[:32], 1e-5)
+    with pytest.raises(ValueError, match="different tensors"):
+        fused.splitk_add_rms_norm(partial, r, w, 1e-5, out=r)
+    with pytest.raises(ValueError, match=r"out shape \(2, 64\)"):
+        fused.splitk_add_rms_norm(partial, r, w, 1e-5, out=r[:2].clone())
+    with pytest.raises(ValueError, match="CUDA"):
+        fused.splitk_add_rms_norm(partial, r, w, 1e-5)
 
 
 def test_silu_argument_errors():
@@ -303,3 +320,36 @@ def test_the_fused_data_flow_gives_the_unfused_bits(stand_ins, name, merged):
         assert run[0] == unfused[0]
         for got, want in zip(run[1], unfused[1]):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
+def test_down_on_the_weight_gemm_adds_into_the_next_norm_with_the_same_bits(stand_ins, monkeypatch, merged):
+    # With down on kernels.gemm, forward_fused hands the next norm to the GEMM (gemm.linear_add_rms_norm:
+    # its split-K reduce is that norm's first pass). With stand-ins of the GEMM calls' stated semantics, the
+    # forward still gives the unfused bits: the MLP's output is added to the residual stream exactly once,
+    # under the next layer's input norm (the final norm after the last layer).
+    calls = {"linear_add_rms_norm": 0}
+
+    def linear_add_rms_norm(x, w, residual, norm_weight, eps):
+        calls["linear_add_rms_norm"] += 1
+        return _fused_add_rms_norm(F.linear(x, w), residual, norm_weight, eps)[0]
+
+    monkeypatch.setattr(gemm, "supported", lambda x, w: True)
+    monkeypatch.setattr(gemm, "linear", lambda x, w: F.linear(x, w))
+    monkeypatch.setattr(gemm, "silu_mul_linear", lambda x, w: _silu_and_mul(F.linear(x, w)))
+    monkeypatch.setattr(gemm, "linear_add_rms_norm", linear_add_rms_norm)
+    model = load_model(model_path("tiny-llama3-hd64"))
+    model.batch_invariant = False
+    if merged:
+        model.merge_projections()
+    prompts = [c["prompt_ids"][:40] for c in read_reference("tiny-llama3-hd64", "hf_reference.json")["cases"]]
+    kw = dict(max_new_tokens=4, chunk_size=16)
+    model.model.fused_kernels = False
+    unfused = greedy_generate(model, prompts, **kw)
+    model.model.fused_kernels = True
+    model.set_weight_gemm({"gate_up", "down"})
+    fused_run = greedy_generate(model, prompts, backend=FusingReference(), **kw)
+    assert calls["linear_add_rms_norm"] > 0
+    assert fused_run[0] == unfused[0]
+    for got, want in zip(fused_run[1], unfused[1]):
+        assert torch.equal(got, want)

@@ -99,6 +99,28 @@ def test_fused_add_rms_norm_is_torch_add_then_the_norm(dtype, hidden):
     assert torch.equal(x, x0) and torch.equal(r, r0) and torch.equal(out2, out) and torch.equal(res2, res)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 2, 3])
+@pytest.mark.parametrize("hidden", [63, 172, 4096])
+def test_splitk_add_rms_norm_is_the_reduce_then_fused_add_rms_norm(dtype, splits, hidden):
+    # x is a split-K GEMM's fp32 partials: summed in split order in fp32, rounded once (the GEMM's reduce).
+    gen = torch.Generator(device="cuda").manual_seed(hidden + splits)
+    partial = torch.randn(splits, 29, hidden, device="cuda", generator=gen)
+    r = (4 * torch.randn(29, hidden, device="cuda", generator=gen)).to(dtype)
+    w = torch.randn(hidden, device="cuda", generator=gen).to(dtype)
+    y = partial[0].clone()
+    for z in range(1, splits):
+        y += partial[z]
+    want, want_res = fused.fused_add_rms_norm(y.to(dtype), r.clone(), w, 1e-6)
+    res = r.clone()
+    out, res_out = fused.splitk_add_rms_norm(partial, res, w, 1e-6, out=torch.full_like(r, float("nan")))
+    assert res_out is res and torch.equal(res, want_res), "residual_out is the rounded sum, in place"
+    assert torch.equal(out, want), "the norm of the rounded sum, as fused_add_rms_norm computes it"
+    r0 = r.clone()
+    out2, res2 = fused.splitk_add_rms_norm(partial, r, w, 1e-6, residual_out=torch.empty_like(r))
+    assert torch.equal(r, r0) and torch.equal(out2, want) and torch.equal(res2, want_res), "out of place"
+
+
 # --- SiLU and multiply ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -340,9 +362,12 @@ def sanitize() -> None:
             assert rel_err(fused.rms_norm(x, w, 1e-5), norm_oracle(x, w, 1e-5)) <= TOL[dtype]
             out, res = fused.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-5)
             assert torch.equal(res, x + r) and rel_err(out, norm_oracle(x + r, w, 1e-5)) <= TOL[dtype]
+            partial = torch.randn(2, 5, hidden, device="cuda")
+            got = fused.splitk_add_rms_norm(partial, r.clone(), w, 1e-5)[0]
+            assert torch.equal(got, fused.fused_add_rms_norm((partial[0] + partial[1]).to(dtype), r.clone(), w, 1e-5)[0])
             gu = torch.randn(5, 2 * hidden, device="cuda").to(dtype)
             assert rel_err(fused.silu_and_mul(gu), silu_oracle(gu[:, :hidden], gu[:, hidden:])) <= TOL[dtype]
-            cases += 3
+            cases += 4
         for head_dim in (6, 8, 12, 32, 128):  # rope widths 1 (half 3), 2 (half 6), 4 (half 4), 8 / 4
             p = rope_problem(dtype, head_dim, num_heads=3, num_kv_heads=1, tokens=21, seed=head_dim)
             q0, k0 = p.q.clone(), p.k.clone()

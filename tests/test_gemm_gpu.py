@@ -3,11 +3,12 @@
 Against a float64 product: every tile width, split and dtype, M from 1 to past two row tiles (the tail
 rows of a tile are TMA's zeros). Bitwise: a row's output the same in any batch (sub-batches, a permuted
 batch, rows of a larger NaN-padded buffer), on every run and in a CUDA graph's replay; the SiLU-fused
-gate/up equal to the GEMM then `fused.silu_and_mul`. Errors: shapes the kernel does not take are refused
+gate/up equal to the GEMM then `fused.silu_and_mul`, and down with the next norm (`linear_add_rms_norm`)
+equal to the GEMM then `fused.fused_add_rms_norm`. Errors: shapes the kernel does not take are refused
 with the reason.
 
 Run as a script it is also the device's sanitizer driver (no pytest): `python tests/test_gemm_gpu.py sanitize`
-runs every tile width, a split and the fused epilogue once on small shapes.
+runs every tile width, a split, the fused epilogue and the reduce fused into the norm once on small shapes.
 """
 
 from __future__ import annotations
@@ -134,6 +135,46 @@ def test_silu_mul_linear_is_the_gemm_then_silu_and_mul(bn, dtype):
     assert max_err(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 130, 256, 300])
+@pytest.mark.parametrize("tile", [GemmTile(128), GemmTile(128, 2), GemmTile(64, 3), GemmTile(256, 4)])
+def test_linear_add_rms_norm_is_the_gemm_then_fused_add_rms_norm(tile, m, dtype):
+    """down, the residual add and the next norm: with a split of K the reduce is the norm's first pass
+    (fused.splitk_add_rms_norm); the output and the residual stream are the two kernels' bits."""
+    n, k = 512, 4096  # 64 k-steps: up to 4 splits of at least 16
+    x, w = operands(m, n, k, dtype, seed=m + tile.splits)
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    residual = (4 * torch.randn(m, n, device="cuda", generator=gen)).to(dtype)
+    norm_w = (1 + 0.3 * torch.randn(n, device="cuda", generator=gen)).to(dtype)
+    want_res = residual.clone()
+    want = fused.fused_add_rms_norm(gemm.linear(x, w, tile=tile), want_res, norm_w, 1e-5)[0]
+    got_res = residual.clone()
+    got = gemm.linear_add_rms_norm(x, w, got_res, norm_w, 1e-5, tile=tile)
+    assert torch.equal(got_res, want_res), f"{tile}: residual += down(x) must round as the reduce then the add"
+    assert torch.equal(got, want), f"{tile}: the norm of the new residual must be fused_add_rms_norm's"
+
+
+def test_linear_add_rms_norm_at_the_8b_down_shape_and_in_a_graph():
+    """The 8B step's down (14336 -> 4096, its own tile, split over K) at 256 rows, eager and replayed."""
+    x, w = operands(256, 4096, 14336, torch.bfloat16)
+    assert gemm.gemm_tile(4096, 14336, torch.cuda.get_device_properties(0).multi_processor_count).splits > 1
+    residual = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
+    norm_w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    want_res = residual.clone()
+    want = fused.fused_add_rms_norm(gemm.linear(x, w), want_res, norm_w, 1e-5)[0]
+    res = residual.clone()
+    assert torch.equal(gemm.linear_add_rms_norm(x, w, res, norm_w, 1e-5), want) and torch.equal(res, want_res)
+    g = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        out = gemm.linear_add_rms_norm(x, w, res, norm_w, 1e-5)
+    res.copy_(residual)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want) and torch.equal(res, want_res)
+
+
 @pytest.mark.parametrize("bn", [128, 224, 256])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_fast_division_is_exact_for_every_16_bit_gate(dtype, bn):
@@ -225,6 +266,8 @@ def sanitize() -> None:
             gemm.silu_mul_linear(x, w, tile=GemmTile(bn, cluster=cluster))
     x, w = operands(130, 256, 2048, torch.bfloat16)
     gemm.linear(x, w, tile=GemmTile(128, 2))
+    residual, norm_w = torch.randn(130, 256, device="cuda", dtype=torch.bfloat16), torch.ones(256, device="cuda", dtype=torch.bfloat16)
+    gemm.linear_add_rms_norm(x, w, residual, norm_w, 1e-5, tile=GemmTile(128, 2))  # the reduce in the norm
     torch.cuda.synchronize()
     print("gemm sanitize: ok")
 

@@ -4,7 +4,9 @@ One idea: between a layer's matrix multiplies, torch spends ~40 launches on memo
 (RMSNorm's six ops twice, RoPE's ten on q and on k, the residual adds, SiLU, the multiply, the K/V
 copy). Fused as vLLM fuses them, a layer needs four: `fused_add_rms_norm` (the residual add and the
 next norm), `silu_and_mul`, and `rotary_embedding_and_cache` (RoPE on q and k, the rotated K and V
-written straight into their paged slots), plus `rms_norm` for the first layer's input. Each reads its
+written straight into their paged slots), plus `rms_norm` for the first layer's input.
+`splitk_add_rms_norm` is `fused_add_rms_norm` reading a split-K GEMM's fp32 partials in place of x (the
+down projection on `kernels.gemm`: its reduce, the residual add and the next norm in one launch). Each reads its
 activations once and writes them once, and fewer launches also shrink what a CUDA graph replays.
 
 Configs: one compiled module per dtype (`fused_config`); the sizes (hidden, head_dim, heads,
@@ -70,9 +72,10 @@ class RotaryTables:
 
 # --- launching ---------------------------------------------------------------------------------------
 
-def _launch(dtype: torch.dtype, name: str, device: torch.device, grid: tuple, block: int, args: tuple) -> None:
+def _launch(dtype: torch.dtype, name: str, device: torch.device, grid: tuple, block: int, args: tuple,
+            pdl: bool = False) -> None:
     """Launch `name` of the dtype's module on torch's current stream of `device` (the attention launcher's)."""
-    launch._launch(fused_config(validate.DTYPE_NAMES[dtype]), name, device, grid, args, threads=block)
+    launch._launch(fused_config(validate.DTYPE_NAMES[dtype]), name, device, grid, args, threads=block, pdl=pdl)
 
 
 def _ptr(t: torch.Tensor | None) -> np.uint64:
@@ -191,14 +194,50 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     _check_rows(x, "x")
     _check_rows(residual, "residual", like=x)
     _check_weight(weight, x)
-    out = x if out is None else out
-    residual_out = residual if residual_out is None else residual_out
-    _check_rows(out, "out", like=x)
-    _check_rows(residual_out, "residual_out", like=x)
-    if out.numel() and out.data_ptr() == residual_out.data_ptr():
-        raise ValueError("out and residual_out must be different tensors")
+    out, residual_out = _add_norm_outputs(residual, x if out is None else out, residual_out)
     validate.require_cuda(x, "x")
     _norm("fused_add_rms_norm", x, dict(out=out, x=x, residual=residual, residual_out=residual_out), weight, eps)
+    return out, residual_out
+
+
+def splitk_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                        out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+                        pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm whose x is a split-K GEMM's fp32 partials [splits, T, hidden] (`kernels.gemm`),
+    summed in split order and rounded once: z = round(sum(partial)) + residual (rounded); residual_out = z;
+    out = RMSNorm(z) -> (out, residual_out), bit for bit the GEMM's reduce then `fused_add_rms_norm`.
+    residual_out defaults to residual (in place), out to a new tensor. pdl: launched under the GEMM's tail,
+    waiting for its end in the kernel (a programmatic dependent launch, as the GEMM's own reduce)."""
+    _check_rows(residual, "residual")
+    if not isinstance(partial, torch.Tensor) or partial.dim() != 3 or partial.dtype != torch.float32 \
+            or tuple(partial.shape[1:]) != tuple(residual.shape) or partial.device != residual.device \
+            or not partial.is_contiguous() or partial.shape[0] < 1:
+        raise ValueError(f"partial must be contiguous float32 [splits, {', '.join(map(str, residual.shape))}] on "
+                         f"{residual.device}, got {getattr(partial, 'dtype', type(partial).__name__)} "
+                         f"{tuple(getattr(partial, 'shape', ()))}")
+    _check_weight(weight, residual)
+    out, residual_out = _add_norm_outputs(residual, torch.empty_like(residual) if out is None else out, residual_out)
+    validate.require_cuda(residual, "residual")
+    splits, num_tokens, hidden = partial.shape
+    width = vec_width(hidden, residual.element_size())
+    _check_aligned(width, partial=partial, out=out, residual=residual, residual_out=residual_out, weight=weight)
+    if num_tokens:
+        _launch(residual.dtype, f"splitk_add_rms_norm_w{width}", residual.device, (num_tokens,),
+                norm_threads(hidden, width),
+                (_ptr(out), _ptr(partial), np.int32(splits), np.int64(num_tokens * hidden), _ptr(residual),
+                 _ptr(residual_out), _ptr(weight), np.int64(hidden), np.int32(hidden), np.float32(eps)), pdl=pdl)
+    return out, residual_out
+
+
+def _add_norm_outputs(residual: torch.Tensor, out: torch.Tensor,
+                      residual_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, residual_out), residual_out defaulting to residual (in place): rows like residual's, and two
+    different tensors (a row's sum and its norm are both kept)."""
+    residual_out = residual if residual_out is None else residual_out
+    _check_rows(out, "out", like=residual)
+    _check_rows(residual_out, "residual_out", like=residual)
+    if out.numel() and out.data_ptr() == residual_out.data_ptr():
+        raise ValueError("out and residual_out must be different tensors")
     return out, residual_out
 
 

@@ -30,7 +30,7 @@ import functools
 import numpy as np
 import torch
 
-from pagedref.kernels import build, driver, launch, validate
+from pagedref.kernels import build, driver, fused, launch, validate
 from pagedref.kernels.build import GEMM_BK as BK
 from pagedref.kernels.build import GEMM_BM as BM
 from pagedref.kernels.build import GEMM_WIDTHS as WIDTHS
@@ -123,10 +123,35 @@ def silu_mul_linear(x: torch.Tensor, gate_up: torch.Tensor, *, out: torch.Tensor
     return _gemm(x, gate_up, out, tile, silu_mul=True)
 
 
+def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                        eps: float, *, tile: GemmTile | None = None) -> torch.Tensor:
+    """The down projection and what follows it in a decode layer: y = x weight^T, residual += y (rounded,
+    in place), -> RMSNorm(residual) [M, N] with norm_weight; bit for bit `fused.fused_add_rms_norm(linear(x,
+    weight), residual, norm_weight, eps)`. Split over K, the split-K reduce is that norm's own first pass
+    (`fused.splitk_add_rms_norm`): one launch fewer, and y never goes to memory."""
+    out, partial, _ = _gemm_tn(x, weight, None, tile, silu_mul=False, name="gemm.linear_add_rms_norm")
+    if partial is None:
+        return fused.fused_add_rms_norm(out, residual, norm_weight, eps)[0]  # out is y, then the norm (in place)
+    return fused.splitk_add_rms_norm(partial, residual, norm_weight, eps, out=out, pdl=True)[0]  # under gemm_tn's tail
+
+
 def _gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, tile: GemmTile | None,
           silu_mul: bool) -> torch.Tensor:
-    """Check, pick the tile, launch the GEMM (and, split over K, the reduce of its fp32 partials)."""
-    name = "gemm.silu_mul_linear" if silu_mul else "gemm.linear"
+    """Launch the GEMM and, split over K, the reduce of its fp32 partials into out."""
+    out, partial, config = _gemm_tn(x, weight, out, tile, silu_mul,
+                                    "gemm.silu_mul_linear" if silu_mul else "gemm.linear")
+    if partial is not None:
+        count = partial.shape[1] * partial.shape[2]
+        launch._launch(config, "gemm_splitk_reduce", x.device, (-(-count // 4 // REDUCE_THREADS),),
+                       (launch._ptr(out), launch._ptr(partial), np.int32(partial.shape[0]), np.int64(count)),
+                       threads=REDUCE_THREADS, pdl=True)  # launched under gemm_tn's tail; waits for it
+    return out
+
+
+def _gemm_tn(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, tile: GemmTile | None,
+             silu_mul: bool, name: str) -> tuple[torch.Tensor, torch.Tensor | None, build.KernelConfig]:
+    """Check, pick the tile, launch gemm_tn -> (out, None, its config), or split over K (out, its fp32
+    partials [splits, M, N], its config), out then still to be written from them."""
     validate.require_cuda(x, "x")
     if not supported(x, weight):
         raise ValueError(f"{name}: needs an sm_90 GPU, float16/bfloat16 x [M, K] and weight [N, K] of one dtype, "
@@ -141,22 +166,17 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, tile:
                             if silu_mul else ""))
     cols = n // 2 if silu_mul else n  # the output's columns: I, or N
     out = _output(out, (m, cols), x)
+    config = gemm_config(validate.DTYPE_NAMES[x.dtype], tile, silu_mul=silu_mul)
     if m == 0:
-        return out
+        return out, None, config
     partial = torch.empty((tile.splits, m, n), dtype=torch.float32, device=x.device) if tile.splits > 1 else None
     width = tile.bn // 2 if silu_mul else tile.bn  # the output columns of one tile
     args = (_matrix_map(x, BM), _matrix_map(weight, tile.bn // 2),
             _output_map(out if partial is None else partial, width), ctypes.c_int(m), ctypes.c_int(k // BK),
             ctypes.c_int(cols if silu_mul else 0))
-    config = gemm_config(validate.DTYPE_NAMES[x.dtype], tile, silu_mul=silu_mul)
     launch._launch(config, "gemm_tn", x.device, (_row_tiles(m, tile), cols // width, tile.splits), args,
                    shared_mem=gemm_shared_bytes(tile), threads=THREADS)
-    if partial is not None:
-        count = m * n
-        launch._launch(config, "gemm_splitk_reduce", x.device, (-(-count // 4 // REDUCE_THREADS),),
-                       (launch._ptr(out), launch._ptr(partial), np.int32(tile.splits), np.int64(count)),
-                       threads=REDUCE_THREADS, pdl=True)  # launched under gemm_tn's tail; waits for it
-    return out
+    return out, partial, config
 
 
 def _row_tiles(m: int, tile: GemmTile) -> int:

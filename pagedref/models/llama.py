@@ -294,16 +294,31 @@ class LlamaMLP(nn.Module):
     def fused(self, x: torch.Tensor) -> torch.Tensor:
         """The same with silu(gate) * up as one CUDA kernel: its own, or (gate_up on kernels.gemm) the GEMM's
         epilogue, the same bits as that GEMM then silu_and_mul."""
-        if self.gate_up_weight is None:
-            return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
-        w, b = self.gate_up_weight, self.gate_up_bias
-        if runs_on_gemm(x, w, b, "gate_up" in self.weight_gemm):
-            h = gemm.silu_mul_linear(x, w)
-        else:
-            h = fused.silu_and_mul(F.linear(x, w, b))
+        return self._down(self._silu_mul_fused(x))
+
+    def fused_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """norm.fused(self.fused(x), residual): the MLP, its output added to the residual stream (in place)
+        and the next norm taken, bit for bit. With down on kernels.gemm, split over K, its reduce is the
+        norm's first pass (`gemm.linear_add_rms_norm`): one launch fewer a layer, down's output never stored."""
+        h = self._silu_mul_fused(x)
+        w, b = self.down_proj.weight, self.down_proj.bias
+        if self.down_proj.tp.size == 1 and runs_on_gemm(h, w, b, "down" in self.weight_gemm):
+            return gemm.linear_add_rms_norm(h, w, residual, norm.weight, norm.eps)
+        return norm.fused(self._down(h), residual)
+
+    def _down(self, h: torch.Tensor) -> torch.Tensor:
         if self.down_proj.tp.size == 1:
             return linear(h, self.down_proj.weight, self.down_proj.bias, "down" in self.weight_gemm)
         return self.down_proj(h)
+
+    def _silu_mul_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate(x)) * up(x) [T, I] on the fused kernels."""
+        if self.gate_up_weight is None:
+            return fused.silu_mul(self.gate_proj(x), self.up_proj(x))
+        w, b = self.gate_up_weight, self.gate_up_bias
+        if runs_on_gemm(x, w, b, "gate_up" in self.weight_gemm):
+            return gemm.silu_mul_linear(x, w)
+        return fused.silu_and_mul(F.linear(x, w, b))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -385,9 +400,8 @@ class LlamaModel(nn.Module):
             out = backend.forward(q, k, v, kv_cache, meta, attn.scale, rope=rope)  # [T, H, d]
             h = attn.o(out.flatten(1))
             h = layer.post_attention_layernorm.fused(h, x)  # x += attention; h = norm(x)
-            h = layer.mlp.fused(h)
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            h = next_norm.fused(h, x)  # x += mlp; h = the next layer's input (or the final norm's output)
+            h = layer.mlp.fused_add_norm(h, x, next_norm)  # x += mlp; h = the next layer's input (or the final norm's)
         return h
 
     # The forward in its pieces: everything but attention works on each token row alone, which is what
