@@ -87,13 +87,14 @@ __device__ __forceinline__ float block_sum(float x) {
   return total;
 }
 
-// The row's W elements at element i of a split-K GEMM's fp32 partials: the splits summed in split order,
-// rounded once to scalar_t (exactly gemm_splitk_reduce's sum and rounding).
+// W consecutive fp32 values, loaded as one access (two of 16 bytes at W = 8).
 template <int W>
 struct alignas(W * sizeof(float)) FVec {
   float v[W];
 };
 
+// The row's W elements at element i of a split-K GEMM's fp32 partials: the splits summed in split order,
+// rounded once to scalar_t (exactly gemm_splitk_reduce's sum and rounding).
 template <int W>
 __device__ __forceinline__ Vec<W> sum_splits(const float *__restrict__ partial, long long i, int splits,
                                              long long split_stride) {
