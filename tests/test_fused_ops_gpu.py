@@ -364,7 +364,8 @@ def sanitize() -> None:
             assert torch.equal(res, x + r) and rel_err(out, norm_oracle(x + r, w, 1e-5)) <= TOL[dtype]
             partial = torch.randn(2, 5, hidden, device="cuda")
             got = fused.splitk_add_rms_norm(partial, r.clone(), w, 1e-5)[0]
-            assert torch.equal(got, fused.fused_add_rms_norm((partial[0] + partial[1]).to(dtype), r.clone(), w, 1e-5)[0])
+            summed = (partial[0] + partial[1]).to(dtype)
+            assert torch.equal(got, fused.fused_add_rms_norm(summed, r.clone(), w, 1e-5)[0])
             gu = torch.randn(5, 2 * hidden, device="cuda").to(dtype)
             assert rel_err(fused.silu_and_mul(gu), silu_oracle(gu[:, :hidden], gu[:, hidden:])) <= TOL[dtype]
             cases += 4

@@ -4,10 +4,10 @@ One idea: between a layer's matrix multiplies, torch spends ~40 launches on memo
 (RMSNorm's six ops twice, RoPE's ten on q and on k, the residual adds, SiLU, the multiply, the K/V
 copy). Fused as vLLM fuses them, a layer needs four: `fused_add_rms_norm` (the residual add and the
 next norm), `silu_and_mul`, and `rotary_embedding_and_cache` (RoPE on q and k, the rotated K and V
-written straight into their paged slots), plus `rms_norm` for the first layer's input.
-`splitk_add_rms_norm` is `fused_add_rms_norm` reading a split-K GEMM's fp32 partials in place of x (the
-down projection on `kernels.gemm`: its reduce, the residual add and the next norm in one launch). Each reads its
+written straight into their paged slots), plus `rms_norm` for the first layer's input. Each reads its
 activations once and writes them once, and fewer launches also shrink what a CUDA graph replays.
+`splitk_add_rms_norm` is `fused_add_rms_norm` reading a split-K GEMM's fp32 partials in place of x (the
+down projection on `kernels.gemm`: its reduce, the residual add and the next norm in one launch).
 
 Configs: one compiled module per dtype (`fused_config`); the sizes (hidden, head_dim, heads,
 intermediate) are run-time arguments, so every head_dim the engine supports (and any later one)

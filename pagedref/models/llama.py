@@ -401,7 +401,7 @@ class LlamaModel(nn.Module):
             h = attn.o(out.flatten(1))
             h = layer.post_attention_layernorm.fused(h, x)  # x += attention; h = norm(x)
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            h = layer.mlp.fused_add_norm(h, x, next_norm)  # x += mlp; h = the next layer's input (or the final norm's)
+            h = layer.mlp.fused_add_norm(h, x, next_norm)  # x += mlp; h = next_norm(x)
         return h
 
     # The forward in its pieces: everything but attention works on each token row alone, which is what
