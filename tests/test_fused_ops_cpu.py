@@ -102,9 +102,13 @@ def test_norm_argument_errors():
 def test_splitk_add_rms_norm_argument_errors():
     r, w = torch.randn(3, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
     partial = torch.randn(2, 3, 64)
-    for bad in (partial[0], partial.half(), torch.randn(2, 4, 64), torch.randn(2, 3, 32), partial.transpose(1, 2),
-                torch.randn(0, 3, 64)):
-        with pytest.raises(ValueError, match=r"partial must be contiguous float32 \[splits, 3, 64\]"):
+    for bad, error, match in ((partial[0], ValueError, "partial must be 3-D"),
+                              (partial.half(), TypeError, "partial must have dtype torch.float32"),
+                              (partial.transpose(1, 2).contiguous().transpose(1, 2), ValueError, "contiguous"),
+                              (torch.randn(2, 4, 64), ValueError, r"must be \[splits >= 1, 3, 64\]"),
+                              (torch.randn(2, 3, 32), ValueError, r"must be \[splits >= 1, 3, 64\]"),
+                              (torch.randn(0, 3, 64), ValueError, r"must be \[splits >= 1, 3, 64\]")):
+        with pytest.raises(error, match=match):
             fused.splitk_add_rms_norm(bad, r, w, 1e-5)
     with pytest.raises(ValueError, match="weight has 32"):
         fused.splitk_add_rms_norm(partial, r, w[:32], 1e-5)

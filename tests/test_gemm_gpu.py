@@ -266,7 +266,8 @@ def sanitize() -> None:
             gemm.silu_mul_linear(x, w, tile=GemmTile(bn, cluster=cluster))
     x, w = operands(130, 256, 2048, torch.bfloat16)
     gemm.linear(x, w, tile=GemmTile(128, 2))
-    residual, norm_w = torch.randn(130, 256, device="cuda", dtype=torch.bfloat16), torch.ones(256, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(130, 256, device="cuda", dtype=torch.bfloat16)
+    norm_w = torch.ones(256, device="cuda", dtype=torch.bfloat16)
     gemm.linear_add_rms_norm(x, w, residual, norm_w, 1e-5, tile=GemmTile(128, 2))  # the reduce in the norm
     torch.cuda.synchronize()
     print("gemm sanitize: ok")

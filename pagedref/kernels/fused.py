@@ -209,12 +209,10 @@ def splitk_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weight: t
     residual_out defaults to residual (in place), out to a new tensor. pdl: launched under the GEMM's tail,
     waiting for its end in the kernel (a programmatic dependent launch, as the GEMM's own reduce)."""
     _check_rows(residual, "residual")
-    if not isinstance(partial, torch.Tensor) or partial.dim() != 3 or partial.dtype != torch.float32 \
-            or tuple(partial.shape[1:]) != tuple(residual.shape) or partial.device != residual.device \
-            or not partial.is_contiguous() or partial.shape[0] < 1:
-        raise ValueError(f"partial must be contiguous float32 [splits, {', '.join(map(str, residual.shape))}] on "
-                         f"{residual.device}, got {getattr(partial, 'dtype', type(partial).__name__)} "
-                         f"{tuple(getattr(partial, 'shape', ()))}")
+    _check_index(partial, "partial", "[splits, num_tokens, hidden]", 3, torch.float32, residual.device)
+    if partial.shape[0] < 1 or partial.shape[1:] != residual.shape:
+        raise ValueError(f"partial has shape {tuple(partial.shape)}, residual {tuple(residual.shape)}: it must be "
+                         f"[splits >= 1, {', '.join(map(str, residual.shape))}]")
     _check_weight(weight, residual)
     out, residual_out = _add_norm_outputs(residual, torch.empty_like(residual) if out is None else out, residual_out)
     validate.require_cuda(residual, "residual")
