@@ -301,15 +301,18 @@ class LlamaMLP(nn.Module):
         and the next norm taken, bit for bit. With down on kernels.gemm, split over K, its reduce is the
         norm's first pass (`gemm.linear_add_rms_norm`): one launch fewer a layer, down's output never stored."""
         h = self._silu_mul_fused(x)
-        w, b = self.down_proj.weight, self.down_proj.bias
-        if self.down_proj.tp.size == 1 and runs_on_gemm(h, w, b, "down" in self.weight_gemm):
-            return gemm.linear_add_rms_norm(h, w, residual, norm.weight, norm.eps)
+        if self._down_on_gemm(h):
+            return gemm.linear_add_rms_norm(h, self.down_proj.weight, residual, norm.weight, norm.eps)
         return norm.fused(self._down(h), residual)
 
     def _down(self, h: torch.Tensor) -> torch.Tensor:
-        if self.down_proj.tp.size == 1:
-            return linear(h, self.down_proj.weight, self.down_proj.bias, "down" in self.weight_gemm)
-        return self.down_proj(h)
+        return gemm.linear(h, self.down_proj.weight) if self._down_on_gemm(h) else self.down_proj(h)
+
+    def _down_on_gemm(self, h: torch.Tensor) -> bool:
+        """Whether down runs on kernels.gemm: asked for, one rank (a TP rank's partial sum goes to all_reduce
+        through down_proj), and runs_on_gemm's conditions."""
+        w, b = self.down_proj.weight, self.down_proj.bias
+        return self.down_proj.tp.size == 1 and runs_on_gemm(h, w, b, "down" in self.weight_gemm)
 
     def _silu_mul_fused(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate(x)) * up(x) [T, I] on the fused kernels."""
