@@ -303,7 +303,7 @@ class LlamaMLP(nn.Module):
         h = self._silu_mul_fused(x)
         if self._down_on_gemm(h):
             return gemm.linear_add_rms_norm(h, self.down_proj.weight, residual, norm.weight, norm.eps)
-        return norm.fused(self._down(h), residual)
+        return norm.fused(self.down_proj(h), residual)  # not on the GEMM (checked just above)
 
     def _down(self, h: torch.Tensor) -> torch.Tensor:
         return gemm.linear(h, self.down_proj.weight) if self._down_on_gemm(h) else self.down_proj(h)
