@@ -500,6 +500,12 @@ def test_bench_gemm_weight_stream_gives_a_bytes_cost_and_the_line_over_the_extra
     assert with_o["default"]["lines"]["256"]["shapes"] == fit, "the line names the shapes it was fitted over"
     one_size = stream_cost(runs, shapes | {"o": (4096, 4096)}, ["4096x2048"])
     assert one_size["default"]["lines"] == {}, "one size draws no line"
+    tiled = {where: [{"pagedref": {f"{key}:64x1": f for key, f in r["pagedref"].items()}} for r in rounds]
+             for where, rounds in runs.items()}  # the same figures under --tiles' keys, "name@M:BNxS"
+    tiled_cost = stream_cost(tiled, shapes | {"o": (4096, 4096)}, fit)
+    assert tiled_cost["pagedref"]["lines"]["256:64x1"]["pj_per_byte"] == pytest.approx(40.0), "a line per tiling"
+    print_stream(tiled_cost, rounds=2)
+    assert "pagedref at 256 rows, tile 64x1, over 4096x2048" in capsys.readouterr().out, "rows and tile apart"
 
 
 def test_bench_gemm_weight_stream_refuses_l2_resident_and_negative_rounds(capsys):

@@ -165,8 +165,8 @@ def stream_cost(runs: dict[str, list[dict]], shapes: dict[str, tuple[int, int]],
     """What reading its weights from HBM costs each GEMM, from --weight-stream's rounds: runs["hbm"] and runs["l2"]
     each a list of rounds, a round {mode: {"name@M": {"mj": joules a call x 1e3, ...}}} (bench_mode's sustained).
     -> {mode: {"shapes": {key: weight bytes, mean mJ from HBM and from L2 over the rounds, their difference, and
-    that over the weight's bytes in pJ}, "lines": {M: the least-squares line difference = fixed_mj + pj_per_byte x
-    bytes over the `fit` shapes at M}}}. Keys without an energy figure (no NVML counter) are left out."""
+    that over the weight's bytes in pJ}, "lines": {M (or "M:BNxS" for a --tiles tiling): the least-squares line
+    difference = fixed_mj + pj_per_byte x bytes over the `fit` shapes at M}}}. Keys without an energy figure (no NVML counter) are left out."""
     import numpy as np
 
     out = {}
@@ -201,9 +201,10 @@ def print_stream(cost: dict, rounds: int) -> None:
         for key, f in figures["shapes"].items():
             print(f"  {mode} {key}: {f['weight_bytes'] / 1e6:.1f} MB, {f['hbm_mj']:.2f} / {f['l2_mj']:.2f} mJ, "
                   f"difference {f['diff_mj']:.2f} mJ = {f['pj_per_byte']:.0f} pJ a byte")
-        for m, line in figures["lines"].items():
-            print(f"  {mode} at {m} rows, over {' '.join(line['shapes'])}: {line['pj_per_byte']:.0f} pJ a byte "
-                  f"at the margin, {line['fixed_mj']:.2f} mJ a launch")
+        for m, line in figures["lines"].items():  # m: "256", or "256:64x1" for a --tiles tiling
+            rows, _, tile = m.partition(":")
+            print(f"  {mode} at {rows} rows{f', tile {tile}' if tile else ''}, over {' '.join(line['shapes'])}: "
+                  f"{line['pj_per_byte']:.0f} pJ a byte at the margin, {line['fixed_mj']:.2f} mJ a launch")
 
 
 def print_report(res: dict) -> None:
