@@ -151,7 +151,6 @@ constexpr int FOLD_SPAN = 4;  // partitions of a superpartition (build.MAX_SPAN)
 #ifndef RAW_SPAN
 #define RAW_SPAN 0  // SPAN_FOLD: a CTA of RAW_SLOTS partitions writes each one's warp states (write_raw_states)
 #endif
-constexpr int RAW_SLOTS = 2;  // RAW_SPAN: partitions of such a CTA (build.RAW_SPAN), a state slot each
 
 constexpr int G = HEADS_PER_CTA;
 
@@ -615,6 +614,7 @@ static_assert(PARTITION_SIZE % (SLAB * NUM_WARPS) == 0, "v3: a warp's slabs must
 #ifndef SPAN_SLOTS
 #define SPAN_SLOTS 1  // partitions one CTA may compute in turn (their warps' states share the CTA's shared memory)
 #endif
+constexpr int RAW_SLOTS = 2;  // RAW_SPAN: partitions of such a CTA (build.RAW_SPAN), a state slot each
 constexpr int STATE_SLOTS = SPAN_FOLD ? (RAW_SPAN ? RAW_SLOTS : 1) : SPAN_SLOTS;  // warps' state slots in shared memory
 static_assert(!SPAN_FOLD || SPAN_SLOTS == 1 || SPAN_SLOTS == FOLD_SPAN, "a folded span is one whole superpartition");
 static_assert(!(SPAN_FOLD && MERGE_IN_KERNEL), "the in-kernel merge merges partitions, not folded superpartitions");
