@@ -166,7 +166,8 @@ def stream_cost(runs: dict[str, list[dict]], shapes: dict[str, tuple[int, int]],
     each a list of rounds, a round {mode: {"name@M": {"mj": joules a call x 1e3, ...}}} (bench_mode's sustained).
     -> {mode: {"shapes": {key: weight bytes, mean mJ from HBM and from L2 over the rounds, their difference, and
     that over the weight's bytes in pJ}, "lines": {M (or "M:BNxS" for a --tiles tiling): the least-squares line
-    difference = fixed_mj + pj_per_byte x bytes over the `fit` shapes at M}}}. Keys without an energy figure (no NVML counter) are left out."""
+    difference = fixed_mj + pj_per_byte x bytes over the `fit` shapes at M}}}. Keys without an energy figure (no
+    NVML counter) are left out."""
     import numpy as np
 
     out = {}
