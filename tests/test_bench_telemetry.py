@@ -171,6 +171,9 @@ def test_the_sustained_report_gives_energy_a_call_and_pj_per_flop(capsys):
     bench_gemm.print_sustained({"shapes": {"qkv": (4096, 6144)}, "sustained": {"pagedref": {"qkv@256": fig}}})
     out = capsys.readouterr().out
     assert "sustained pagedref qkv@256: 25.9 µs, 17.80 mJ (1.38 pJ/FLOP), 687 W, SM 1418 MHz, power-capped 100%" in out
+    # A --tiles tiling's key ("name@M:BNxS") has the same rows, so the same FLOPs a call.
+    bench_gemm.print_sustained({"shapes": {"qkv": (4096, 6144)}, "sustained": {"pagedref": {"qkv@256:64x1": fig}}})
+    assert "sustained pagedref qkv@256:64x1: 25.9 µs, 17.80 mJ (1.38 pJ/FLOP)" in capsys.readouterr().out
 
 
 def test_bench_serve_notes_the_runs_clock_and_energy_a_token():

@@ -449,11 +449,12 @@ def test_bench_gemm_report_sums_a_step_over_the_models_projections_only(capsys):
     # With SwiGLU's fused row the step is also summed with it in place of gate_up (and the sweep's rows listed).
     shapes["gate_up_silu"] = shapes["gate_up"]
     us = {f"{name}@256": 10.0 for name in shapes} | {"gate_up_silu@256": 20.0}
-    sweep = {**us, "qkv@256:96x1": 12.5}
+    sweep = {**us, "qkv@256:96x1": 12.5, "qkv@2560:96x1": 99.0}  # a tiling at other rows is not these rows' line
     print_report({"model_shape": "llama-3.1-8b", "num_layers": 32, "shapes": shapes, "rows": [256],
                   "modes": ["default", "pagedref"], "us": {"default": us, "pagedref": sweep}})
     out = capsys.readouterr().out
     assert "qkv + o + gate_up_silu + down: 1.60 ms / 1.60 ms" in out and "pagedref qkv@256:96x1: 12.5 µs" in out
+    assert "qkv@2560" not in out, "only the tilings at the rows printed (2560 is not 256)"
 
 
 def test_bench_gemm_l2_resident_times_one_buffer_set_and_says_so(capsys):

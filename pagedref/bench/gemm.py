@@ -77,6 +77,14 @@ def tile_arg(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def split_key(key: str) -> tuple[str, str, str]:
+    """A result's key -> its parts: 'gate_up@256' -> ('gate_up', '256', ''), 'gate_up@256:64x1' (a --tiles
+    tiling, tile_label's spelling after the rows) -> ('gate_up', '256', '64x1')."""
+    name, _, at = key.partition("@")
+    rows, _, tile = at.partition(":")
+    return name, rows, tile
+
+
 def tile_label(t) -> str:
     """GemmTile(96, 1, 6, 1) -> ':96x1s6c1', tile_arg's spelling (the defaults left out)."""
     from pagedref.kernels.build import gemm_max_stages
@@ -178,13 +186,13 @@ def stream_cost(runs: dict[str, list[dict]], shapes: dict[str, tuple[int, int]],
             l2 = [r[mode][key]["mj"] for r in runs["l2"]]
             if None in hbm + l2:
                 continue
-            k, n = shapes[key.split("@")[0]]
+            k, n = shapes[split_key(key)[0]]
             weight_bytes = 2 * k * n  # 16-bit
             hbm_mj, l2_mj = float(np.mean(hbm)), float(np.mean(l2))
             rows[key] = {"weight_bytes": weight_bytes, "hbm_mj": hbm_mj, "l2_mj": l2_mj, "diff_mj": hbm_mj - l2_mj,
                          "pj_per_byte": (hbm_mj - l2_mj) * 1e9 / weight_bytes}
         lines = {}
-        for m in sorted({key.split("@")[1] for key in rows}):
+        for m in sorted({key.partition("@")[2] for key in rows}):  # "256", or "256:64x1" for a --tiles tiling
             names = [name for name in fit if f"{name}@{m}" in rows]  # the fitted shapes that have figures
             points = [rows[f"{name}@{m}"] for name in names]
             if len({p["weight_bytes"] for p in points}) >= 2:  # a line needs two sizes
@@ -202,8 +210,8 @@ def print_stream(cost: dict, rounds: int) -> None:
         for key, f in figures["shapes"].items():
             print(f"  {mode} {key}: {f['weight_bytes'] / 1e6:.1f} MB, {f['hbm_mj']:.2f} / {f['l2_mj']:.2f} mJ, "
                   f"difference {f['diff_mj']:.2f} mJ = {f['pj_per_byte']:.0f} pJ a byte")
-        for m, line in figures["lines"].items():  # m: "256", or "256:64x1" for a --tiles tiling
-            rows, _, tile = m.partition(":")
+        for m, line in figures["lines"].items():
+            _, rows, tile = split_key(f"@{m}")
             print(f"  {mode} at {rows} rows{f', tile {tile}' if tile else ''}, over {' '.join(line['shapes'])}: "
                   f"{line['pj_per_byte']:.0f} pJ a byte at the margin, {line['fixed_mj']:.2f} mJ a launch")
 
@@ -221,9 +229,10 @@ def print_report(res: dict) -> None:
         for layer in (PROJECTIONS, FUSED_LAYER) if "gate_up_silu" in shapes else (PROJECTIONS,):
             step = [sum(res["us"][mode][f"{name}@{m}"] for name in layer) * layers / 1e3 for mode in res["modes"]]
             print(f"    x {layers} layers of {' + '.join(layer)}: " + " / ".join(f"{s:.2f} ms" for s in step))
-        swept = [key for key in res["us"].get("pagedref", {}) if key.startswith(f"{m}:", key.index("@") + 1)]
-        for key in swept:
-            name = key.split("@")[0]
+        for key in res["us"].get("pagedref", {}):
+            name, rows, tile = split_key(key)
+            if rows != str(m) or not tile:  # only the --tiles tilings at these rows
+                continue
             k, n = shapes[name]
             us = res["us"]["pagedref"][key]
             print(f"    pagedref {key}: {us:.1f} µs ({2 * m * k * n / us / 1e6:.0f} TFLOP/s)")
@@ -233,7 +242,8 @@ def print_sustained(res: dict) -> None:
     """The --sustain figures: each GEMM's µs, energy a call, mean power and SM clock when run round and round."""
     for mode, figures in res.get("sustained", {}).items():
         for key, f in figures.items():
-            name, m = key.split("@")[0], int(key.split("@")[1].split(":")[0])
+            name, m, _ = split_key(key)
+            m = int(m)
             k, n = res["shapes"][name]
             mj = f.get("mj")
             print(f"  sustained {mode} {key}: {f['us']:.1f} µs" + (
