@@ -192,7 +192,7 @@ def stream_cost(runs: dict[str, list[dict]], shapes: dict[str, tuple[int, int]],
             rows[key] = {"weight_bytes": weight_bytes, "hbm_mj": hbm_mj, "l2_mj": l2_mj, "diff_mj": hbm_mj - l2_mj,
                          "pj_per_byte": (hbm_mj - l2_mj) * 1e9 / weight_bytes}
         lines = {}
-        for m in sorted({key.partition("@")[2] for key in rows}):  # "256", or "256:64x1" for a --tiles tiling
+        for m in sorted({key.partition("@")[2] for key in rows}):  # what follows the name: "256", or "256:64x1"
             names = [name for name in fit if f"{name}@{m}" in rows]  # the fitted shapes that have figures
             points = [rows[f"{name}@{m}"] for name in names]
             if len({p["weight_bytes"] for p in points}) >= 2:  # a line needs two sizes
@@ -210,8 +210,8 @@ def print_stream(cost: dict, rounds: int) -> None:
         for key, f in figures["shapes"].items():
             print(f"  {mode} {key}: {f['weight_bytes'] / 1e6:.1f} MB, {f['hbm_mj']:.2f} / {f['l2_mj']:.2f} mJ, "
                   f"difference {f['diff_mj']:.2f} mJ = {f['pj_per_byte']:.0f} pJ a byte")
-        for m, line in figures["lines"].items():
-            _, rows, tile = split_key(f"@{m}")
+        for m, line in figures["lines"].items():  # m: "256", or "256:64x1" for a --tiles tiling
+            rows, _, tile = m.partition(":")
             print(f"  {mode} at {rows} rows{f', tile {tile}' if tile else ''}, over {' '.join(line['shapes'])}: "
                   f"{line['pj_per_byte']:.0f} pJ a byte at the margin, {line['fixed_mj']:.2f} mJ a launch")
 
@@ -242,8 +242,8 @@ def print_sustained(res: dict) -> None:
     """The --sustain figures: each GEMM's µs, energy a call, mean power and SM clock when run round and round."""
     for mode, figures in res.get("sustained", {}).items():
         for key, f in figures.items():
-            name, m, _ = split_key(key)
-            m = int(m)
+            name, rows, _ = split_key(key)
+            m = int(rows)
             k, n = res["shapes"][name]
             mj = f.get("mj")
             print(f"  sustained {mode} {key}: {f['us']:.1f} µs" + (
